@@ -1,0 +1,6 @@
+"""skiff wire protocol: envelope, codec, tensor frames and clients."""
+
+from .client import AsyncClient, Client, Reply, SkiffError
+from .envelope import VERSION, ErrorCode, Op
+
+__all__ = ["VERSION", "AsyncClient", "Client", "ErrorCode", "Op", "Reply", "SkiffError"]

@@ -1,0 +1,369 @@
+"""Clients for skiff workers: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+Both speak over one DEALER socket and may have many requests in flight:
+replies are matched to requests by id, so a gateway can stream a generation
+and send ``cancel`` on the same connection. The per-op methods live in
+``_Ops`` and are shared; each client only supplies ``_invoke``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from . import codec, envelope
+
+
+class SkiffError(Exception):
+    """An error reply from a worker, or a client-side failure (``timeout``)."""
+
+    def __init__(self, code: str, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass
+class Reply:
+    """One reply: the decoded header and the raw buffer frames after it."""
+
+    header: dict[str, Any]
+    buffers: list[memoryview] = field(default_factory=list)
+
+    @property
+    def result(self) -> dict[str, Any]:
+        value = self.header.get("result", {})
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def done(self) -> bool:
+        return bool(self.header.get("done", "event" not in self.header))
+
+    def raise_for_error(self) -> Reply:
+        if not self.header.get("ok", False):
+            err = self.header.get("error") or {}
+            raise SkiffError(
+                str(err.get("code", "internal")),
+                str(err.get("message", "")),
+                err.get("retry_after_ms"),
+            )
+        return self
+
+
+def _frames(header: dict[str, Any], buffers: Sequence[Any]) -> list[Any]:
+    return [codec.encode(header), *buffers]
+
+
+def _parse(frames: list[zmq.Frame]) -> Reply:
+    header = codec.decode(frames[0].buffer, max_bytes=1 << 30)
+    return Reply(header, [f.buffer for f in frames[1:]])
+
+
+Extract = Callable[[Reply], Any]
+
+
+def _result(reply: Reply) -> dict[str, Any]:
+    return reply.result
+
+
+class _Ops:
+    """One method per op. ``_invoke`` returns the value (sync) or an awaitable."""
+
+    def _invoke(
+        self, op: str, session: str | None, args: dict[str, Any] | None, extract: Extract
+    ) -> Any:
+        raise NotImplementedError
+
+    def ping(self) -> Any:
+        return self._invoke("ping", None, None, _result)
+
+    def info(self) -> Any:
+        return self._invoke("info", None, None, _result)
+
+    def stats(self) -> Any:
+        return self._invoke("stats", None, None, _result)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> Any:
+        args = {"text": text, "add_special": add_special, "parse_special": parse_special}
+        return self._invoke("tokenize", None, args, lambda r: r.result["tokens"])
+
+    def detokenize(self, tokens: Sequence[int]) -> Any:
+        return self._invoke(
+            "detokenize", None, {"tokens": list(tokens)}, lambda r: r.result["text"]
+        )
+
+    def prefill(self, session: str, tokens: Sequence[int]) -> Any:
+        args = {"tokens": list(tokens)}
+        return self._invoke("prefill", session, args, lambda r: r.result["position"])
+
+    def prefill_sampled(
+        self, session: str, tokens: Sequence[int], sampling: dict[str, Any] | None = None
+    ) -> Any:
+        args: dict[str, Any] = {"tokens": list(tokens)}
+        if sampling is not None:
+            args["sampling"] = sampling
+        return self._invoke("prefill_sampled", session, args, _result)
+
+    def decode(
+        self,
+        session: str,
+        token: int,
+        sampling: dict[str, Any] | None = None,
+        return_logits: bool = False,
+    ) -> Any:
+        args: dict[str, Any] = {"token": token}
+        if sampling is not None:
+            args["sampling"] = sampling
+        if return_logits:
+            args["return_logits"] = True
+        return self._invoke("decode", session, args, _keep_reply if return_logits else _result)
+
+    def decode_batch(self, requests: Sequence[dict[str, Any]], return_logits: bool = False) -> Any:
+        args: dict[str, Any] = {"requests": list(requests)}
+        if return_logits:
+            args["return_logits"] = True
+        extract = _keep_reply if return_logits else (lambda r: r.result["tokens"])
+        return self._invoke("decode_batch", None, args, extract)
+
+    def iteration_batch(self, requests: Sequence[dict[str, Any]]) -> Any:
+        args = {"requests": list(requests)}
+        return self._invoke("iteration_batch", None, args, lambda r: r.result["samples"])
+
+    def trim(self, session: str, token_count: int) -> Any:
+        args = {"token_count": token_count}
+        return self._invoke("trim", session, args, lambda r: r.result["position"])
+
+    def align(self, session: str, token_count: int) -> Any:
+        return self._invoke("align", session, {"token_count": token_count}, _result)
+
+    def drop(self, session: str) -> Any:
+        return self._invoke("drop", session, None, _result)
+
+    def cancel(self, request_id: int) -> Any:
+        return self._invoke("cancel", None, {"id": request_id}, lambda r: r.result["cancelled"])
+
+
+def _keep_reply(reply: Reply) -> Reply:
+    return reply
+
+
+class Client(_Ops):
+    """Blocking client. Not thread-safe: use one per thread."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_ms: int = 120_000,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self.timeout_ms = timeout_ms
+        self._ids = itertools.count(1)
+        self._stash: dict[int, deque[Reply]] = {}
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(
+        self,
+        op: str,
+        session: str | None = None,
+        args: dict[str, Any] | None = None,
+        buffers: Sequence[Any] = (),
+        deadline_ms: int | None = None,
+    ) -> int:
+        """Send a request without waiting; returns its id."""
+        req_id = next(self._ids)
+        header = envelope.request(req_id, op, session, args, deadline_ms)
+        self._sock.send_multipart(_frames(header, buffers), copy=False)
+        return req_id
+
+    def send_raw(self, frames: Sequence[Any]) -> None:
+        """Send frames exactly as given (tests use this for malformed input)."""
+        self._sock.send_multipart(list(frames))
+
+    def recv_any(self, timeout_ms: int | None = None) -> Reply:
+        """Receive the next reply whatever its id."""
+        wait = self.timeout_ms if timeout_ms is None else timeout_ms
+        if not self._sock.poll(wait):
+            raise SkiffError("timeout", f"no reply within {wait} ms")
+        return _parse(self._sock.recv_multipart(copy=False))
+
+    def recv(self, req_id: int, timeout_ms: int | None = None) -> Reply:
+        """Receive the next reply for ``req_id``, stashing others."""
+        queued = self._stash.get(req_id)
+        if queued:
+            return queued.popleft()
+        deadline = time.monotonic() + (self.timeout_ms if timeout_ms is None else timeout_ms) / 1e3
+        while True:
+            left = max(0, int((deadline - time.monotonic()) * 1000))
+            reply = self.recv_any(left)
+            rid = reply.header.get("id")
+            if rid == req_id:
+                return reply
+            if isinstance(rid, int):
+                self._stash.setdefault(rid, deque()).append(reply)
+
+    def call(
+        self,
+        op: str,
+        session: str | None = None,
+        args: dict[str, Any] | None = None,
+        buffers: Sequence[Any] = (),
+        deadline_ms: int | None = None,
+    ) -> Reply:
+        """Send one request and wait for its (first) reply; raise on error."""
+        req_id = self.send(op, session, args, buffers, deadline_ms)
+        return self.recv(req_id).raise_for_error()
+
+    def stream(
+        self,
+        op: str,
+        session: str | None = None,
+        args: dict[str, Any] | None = None,
+        deadline_ms: int | None = None,
+    ) -> Iterator[Reply]:
+        """Yield every reply of a streaming request until the one with ``done``."""
+        req_id = self.send(op, session, args, deadline_ms=deadline_ms)
+        yield from self.follow(req_id)
+
+    def follow(self, req_id: int) -> Iterator[Reply]:
+        """Yield replies of an already-sent streaming request until done."""
+        while True:
+            reply = self.recv(req_id).raise_for_error()
+            yield reply
+            if reply.done:
+                return
+
+    def generate(self, args: dict[str, Any], session: str | None = None) -> Iterator[Reply]:
+        """Stream a generation: token events, then the final ``done`` event."""
+        yield from self.stream("generate", session, {**args, "stream": True})
+
+    def _invoke(
+        self, op: str, session: str | None, args: dict[str, Any] | None, extract: Extract
+    ) -> Any:
+        return extract(self.call(op, session, args))
+
+
+class AsyncClient(_Ops):
+    """asyncio client; many coroutines may share one instance."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_ms: int = 120_000,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self.timeout_ms = timeout_ms
+        self._ids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue[Reply]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(linger=0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _read_loop(self) -> None:
+        while True:
+            reply = _parse(await self._sock.recv_multipart(copy=False))
+            rid = reply.header.get("id")
+            queue = self._queues.get(rid) if isinstance(rid, int) else None
+            if queue is not None:
+                queue.put_nowait(reply)
+
+    def send(
+        self,
+        op: str,
+        session: str | None = None,
+        args: dict[str, Any] | None = None,
+        buffers: Sequence[Any] = (),
+        deadline_ms: int | None = None,
+    ) -> tuple[int, asyncio.Queue[Reply]]:
+        """Queue a request; returns its id and the queue its replies land in."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        req_id = next(self._ids)
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self._queues[req_id] = queue
+        header = envelope.request(req_id, op, session, args, deadline_ms)
+        self._sock.send_multipart(_frames(header, buffers), copy=False)
+        return req_id, queue
+
+    async def _next(self, queue: asyncio.Queue[Reply]) -> Reply:
+        try:
+            return await asyncio.wait_for(queue.get(), self.timeout_ms / 1000)
+        except TimeoutError as exc:
+            raise SkiffError("timeout", f"no reply within {self.timeout_ms} ms") from exc
+
+    async def call(
+        self,
+        op: str,
+        session: str | None = None,
+        args: dict[str, Any] | None = None,
+        buffers: Sequence[Any] = (),
+        deadline_ms: int | None = None,
+    ) -> Reply:
+        req_id, queue = self.send(op, session, args, buffers, deadline_ms)
+        try:
+            return (await self._next(queue)).raise_for_error()
+        finally:
+            self._queues.pop(req_id, None)
+
+    async def stream(
+        self,
+        op: str,
+        session: str | None = None,
+        args: dict[str, Any] | None = None,
+        deadline_ms: int | None = None,
+    ) -> AsyncIterator[Reply]:
+        req_id, queue = self.send(op, session, args, deadline_ms=deadline_ms)
+        try:
+            while True:
+                reply = (await self._next(queue)).raise_for_error()
+                yield reply
+                if reply.done:
+                    return
+        finally:
+            self._queues.pop(req_id, None)
+
+    def generate(self, args: dict[str, Any], session: str | None = None) -> AsyncIterator[Reply]:
+        return self.stream("generate", session, {**args, "stream": True})
+
+    async def _ainvoke(
+        self, op: str, session: str | None, args: dict[str, Any] | None, extract: Extract
+    ) -> Any:
+        return extract(await self.call(op, session, args))
+
+    def _invoke(
+        self, op: str, session: str | None, args: dict[str, Any] | None, extract: Extract
+    ) -> Any:
+        return self._ainvoke(op, session, args, extract)

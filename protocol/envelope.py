@@ -1,0 +1,91 @@
+"""The wire contract: version, op names, error codes and header shapes.
+
+Everything a peer needs to speak to a skiff worker lives in this package; it
+imports nothing from ``worker/`` so gateways can depend on it alone.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+VERSION = 1
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes. Clients branch on these strings; never rename one."""
+
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_OP = "unknown_op"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    LANES_BUSY = "lanes_busy"
+    QUEUE_FULL = "queue_full"
+    SESSION_NOT_ACTIVE = "session_not_active"
+    CONTEXT_OVERFLOW = "context_overflow"
+    CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    UNSUPPORTED = "unsupported"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    INTERNAL = "internal"
+
+
+class Op(StrEnum):
+    """Op names of the LLM worker (the speech worker shares the envelope)."""
+
+    PING = "ping"
+    INFO = "info"
+    STATS = "stats"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    PREFILL = "prefill"
+    PREFILL_SAMPLED = "prefill_sampled"
+    DECODE = "decode"
+    DECODE_BATCH = "decode_batch"
+    ITERATION_BATCH = "iteration_batch"
+    GENERATE = "generate"
+    CANCEL = "cancel"
+    TRIM = "trim"
+    ALIGN = "align"
+    DROP = "drop"
+
+
+def request(
+    req_id: int,
+    op: str,
+    session: str | None = None,
+    args: dict[str, Any] | None = None,
+    deadline_ms: int | None = None,
+) -> dict[str, Any]:
+    """Build a request header map."""
+    header: dict[str, Any] = {"v": VERSION, "id": req_id, "op": op}
+    if session is not None:
+        header["session"] = session
+    if args:
+        header["args"] = args
+    if deadline_ms is not None:
+        header["deadline_ms"] = deadline_ms
+    return header
+
+
+def ok_reply(req_id: int | None, result: dict[str, Any]) -> dict[str, Any]:
+    """A successful single reply."""
+    return {"v": VERSION, "id": req_id, "ok": True, "result": result}
+
+
+def event_reply(req_id: int, event: dict[str, Any]) -> dict[str, Any]:
+    """One event of a streaming op; the last one carries ``done: true``."""
+    return {"v": VERSION, "id": req_id, "ok": True, **event}
+
+
+def error_reply(
+    req_id: int | None,
+    code: str,
+    message: str,
+    retry_after_ms: int | None = None,
+) -> dict[str, Any]:
+    """A failed reply. ``retry_after_ms`` hints when to retry (queue_full)."""
+    error: dict[str, Any] = {"code": str(code), "message": message}
+    if retry_after_ms is not None:
+        error["retry_after_ms"] = retry_after_ms
+    return {"v": VERSION, "id": req_id, "ok": False, "error": error}

@@ -1,0 +1,90 @@
+"""Shared fixtures: one worker process and one in-process engine per session.
+
+Loading the model is the slow part, so behaviour tests share one worker
+(real process, real ipc:// socket) and runtime tests share one engine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocol import Client, SkiffError
+from worker.models import default_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_worker(
+    tmp: Path, *args: str, name: str = "worker"
+) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """Start ``python -m worker.cli`` on an ipc endpoint; wait for ``ping``."""
+    endpoint = f"ipc://{tmp}/{name}.sock"
+    log_path = tmp / f"{name}.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "--bind",
+            endpoint,
+            "--log-format",
+            "json",
+            "--threads",
+            "2",
+            *args,
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ},
+    )
+    deadline = time.monotonic() + 60
+    with Client(endpoint, timeout_ms=500) as client:
+        while True:
+            try:
+                client.ping()
+                break
+            except SkiffError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    raise RuntimeError(f"worker did not start:\n{log_path.read_text()}") from None
+    return proc, endpoint, log_path
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(endpoint, log path) of the shared worker: 8 lanes x 2048 cells."""
+    tmp = tmp_path_factory.mktemp("worker")
+    proc, endpoint, log_path = start_worker(tmp, "--lanes", "8", "--ctx", "16384")
+    yield endpoint, log_path
+    stop_worker(proc)
+
+
+@pytest.fixture()
+def client(worker: tuple[str, Path]) -> Iterator[Client]:
+    """A client whose test leaves no session behind (lanes are shared)."""
+    with Client(worker[0], timeout_ms=60_000) as c:
+        yield c
+        for entry in c.stats()["sessions"]:
+            c.drop(entry["session"])

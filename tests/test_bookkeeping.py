@@ -1,0 +1,61 @@
+"""Pure unit tests of lane bookkeeping and prefill chunking."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.jobs import chunk_bounds
+from worker.runtime import LanePool, LanesBusy, SessionNotActive
+
+
+def test_admit_is_all_or_nothing() -> None:
+    pool = LanePool(2)
+    pool.admit(["a"])
+    with pytest.raises(LanesBusy, match="requires 2 new sessions but only 1"):
+        pool.admit(["a", "b", "c"])
+    assert set(pool.sessions) == {"a"}
+    assert pool.free == 1
+
+
+def test_release_returns_the_lane_and_reuses_lowest() -> None:
+    pool = LanePool(3)
+    a, b, c = pool.admit(["a", "b", "c"])
+    assert (a.lane, b.lane, c.lane) == (0, 1, 2)
+    pool.release("b")
+    (d,) = pool.admit(["d"])
+    assert d.lane == 1
+    with pytest.raises(SessionNotActive):
+        pool.release("b")
+
+
+def test_known_sessions_need_no_lane() -> None:
+    pool = LanePool(1)
+    pool.admit(["a"])
+    assert pool.admit(["a"])[0].lane == 0
+    assert pool.missing(["a", "b", "b"]) == ["b"]
+
+
+def _chunks(total: int, chunk: int, budget: int, whole: bool) -> list[int]:
+    done, sizes = 0, []
+    while done < total:
+        n = chunk_bounds(done, total, chunk, budget, whole)
+        assert n > 0
+        sizes.append(n)
+        done += n
+    return sizes
+
+
+@pytest.mark.parametrize("total", [1, 255, 256, 257, 600, 1024])
+def test_sampled_prefill_keeps_the_final_chunk_whole(total: int) -> None:
+    sizes = _chunks(total, 256, 512, True)
+    split = ((total - 1) // 256) * 256
+    assert sizes[-1] == total - split
+    assert sum(sizes) == total
+
+
+def test_final_chunk_waits_when_budget_is_short() -> None:
+    # 300 tokens, chunk 256: the final chunk (44) is never split.
+    assert chunk_bounds(256, 300, 256, 10, True) == 0
+    assert chunk_bounds(256, 300, 256, 44, True) == 44
+    # Plain prefill may take what the budget allows.
+    assert chunk_bounds(256, 300, 256, 10, False) == 10

@@ -1,0 +1,57 @@
+"""``skiff-worker``: parse flags, load the model, serve until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+from . import config, logs
+from .engine import Engine, EngineConfig
+from .models import resolve_model
+from .server import Server
+
+
+def build_engine(cfg: config.WorkerConfig) -> Engine:
+    return Engine(
+        EngineConfig(
+            model_path=str(resolve_model(cfg.model)),
+            n_ctx=cfg.ctx,
+            n_seq=cfg.lanes,
+            n_ctx_per_seq=cfg.n_ctx_per_lane,
+            n_batch=cfg.batch,
+            n_ubatch=cfg.ubatch,
+            n_threads=cfg.n_threads,
+            repack=bool(cfg.repack),
+        )
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = config.parse(argv)
+    logs.configure(cfg.log_format, cfg.log_level)
+    log = logs.get_logger("skiff.cli")
+    try:
+        engine = build_engine(cfg)
+    except Exception as exc:
+        log.error("startup_failed", error=str(exc))
+        return 1
+    server = Server(cfg, engine)
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal", signal=signal.Signals(signum).name)
+        server.stop()
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Worker configuration: command-line flags, each with a ``SKIFF_*`` twin.
+
+Precedence: flag > environment variable > default. ``skiff-worker --help``
+shows every option with the variable that also sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .logs import LOG_FORMATS
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    bind: str = "tcp://127.0.0.1:5555"
+    model: str = "default"
+    lanes: int = 4
+    ctx: int = 8192
+    ctx_per_lane: int = 0  # 0 = ctx // lanes
+    batch: int = 512
+    ubatch: int = 512
+    threads: int = 0  # 0 = all cores
+    repack: int = 1
+    max_batch_tokens: int = 0  # 0 = batch
+    prefill_chunk: int = 256
+    max_queue: int = 64
+    admission_timeout_ms: int = 60_000
+    session_idle_s: float = 600.0
+    max_request_bytes: int = 4 * 1024 * 1024
+    log_format: str = "auto"
+    log_level: str = "info"
+
+    @property
+    def n_threads(self) -> int:
+        return self.threads or (os.cpu_count() or 1)
+
+    @property
+    def n_ctx_per_lane(self) -> int:
+        return self.ctx_per_lane or self.ctx // self.lanes
+
+    @property
+    def budget(self) -> int:
+        return min(self.max_batch_tokens or self.batch, self.batch)
+
+
+_OPTIONS: list[tuple[str, type, str]] = [
+    ("bind", str, "ZeroMQ endpoint the ROUTER socket binds (tcp://, ipc://, inproc://)"),
+    ("model", str, "GGUF file path, or 'default' for the packaged Gemma 3 270M Q4_K_M"),
+    ("lanes", int, "KV-cache lanes = concurrent sessions (llama.cpp n_seq_max)"),
+    ("ctx", int, "total KV cells shared by all lanes"),
+    ("ctx-per-lane", int, "cells one lane may use; 0 = ctx / lanes (more = unified KV)"),
+    ("batch", int, "n_batch: most tokens one llama_decode takes"),
+    ("ubatch", int, "n_ubatch: physical micro-batch size"),
+    ("threads", int, "compute threads; 0 = all cores"),
+    ("repack", int, "1 = let llama.cpp repack weights (extra buffer types); 0 = off (AMX builds)"),
+    ("max-batch-tokens", int, "token budget of one scheduler turn; 0 = batch"),
+    ("prefill-chunk", int, "prompt tokens one prefill may add to a turn"),
+    ("max-queue", int, "requests that may wait for a lane before queue_full"),
+    ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),
+    ("session-idle-s", float, "drop named sessions unused this long (frees lanes of gone peers)"),
+    ("max-request-bytes", int, "largest request header; larger is payload_too_large"),
+    ("log-format", str, "log rendering: auto (console on a TTY, else json), json, console"),
+    ("log-level", str, "debug, info, warning, error"),
+]
+
+
+def env_name(option: str) -> str:
+    return "SKIFF_" + option.upper().replace("-", "_")
+
+
+def build_parser(prog: str = "skiff-worker") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="skiff LLM worker: one llama.cpp model served over a ZeroMQ ROUTER socket.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = WorkerConfig()
+    for option, kind, text in _OPTIONS:
+        attr = option.replace("-", "_")
+        default = getattr(defaults, attr)
+        env = os.environ.get(env_name(option))
+        if env is not None:
+            default = kind(env)
+        extra: dict[str, object] = {}
+        if option == "log-format":
+            extra["choices"] = LOG_FORMATS
+        parser.add_argument(
+            f"--{option}",
+            type=kind,
+            default=default,
+            help=f"{text} [env {env_name(option)}]",
+            **extra,  # type: ignore[arg-type]
+        )
+    return parser
+
+
+def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
+    ns = build_parser().parse_args(argv)
+    cfg = WorkerConfig(**{k: v for k, v in vars(ns).items()})
+    if cfg.lanes < 1 or cfg.ctx < cfg.lanes or cfg.batch < 1 or cfg.prefill_chunk < 1:
+        raise SystemExit("skiff-worker: lanes, ctx, batch and prefill-chunk must be positive")
+    return cfg

@@ -1,0 +1,18 @@
+"""The only package that imports ``llama_cpp``; see ``model.Engine``."""
+
+from .batch import OutputMode, Segment
+from .model import DecodeStatus, Engine, EngineConfig, EngineError
+from .sampling import DEFAULT_SEED, Sampler, SamplerSpec, greedy_token
+
+__all__ = [
+    "DEFAULT_SEED",
+    "DecodeStatus",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "OutputMode",
+    "Sampler",
+    "SamplerSpec",
+    "Segment",
+    "greedy_token",
+]

@@ -1,0 +1,251 @@
+"""The llama.cpp engine: one model, one context, one reusable batch.
+
+This is the only module family that touches ``llama_cpp``. Everything above
+talks to ``Engine``: tokenize, ``decode(segments)`` (one ``llama_decode``),
+logits rows as zero-copy numpy views, and the per-sequence memory ops the
+runtime needs (pos_max, rm, clear, state get/set).
+
+Choices that matter:
+- ``swa_full=True``: Gemma 3 uses sliding-window attention; a windowed cache
+  forgets old cells, which would make ``trim`` to an early position
+  impossible to re-decode exactly. The full cache costs little at 270M.
+- ``use_extra_bufts`` (``repack``): the CPU "extra buffer types" repack
+  weights for faster kernels. In a native build on an AMX CPU they include
+  the AMX path that faults on this machine; our wheel is built without AMX
+  (scripts/build_llama.py), so repacking is safe and on by default. It also
+  keeps our numerics identical to llama-cpp-python's high-level ``Llama``.
+  ``--repack 0`` turns it off (needed with a native AMX build).
+- ``kv_unified`` only when lanes may use more than an equal share of the
+  cells; otherwise each lane owns exactly ``n_ctx / lanes`` cells.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp as ll
+import numpy as np
+
+from .batch import Batch, Segment
+
+_backend_ready = False
+
+
+def _ensure_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        ll.llama_backend_init()
+        # Silence llama.cpp's own stderr chatter; we log what matters ourselves.
+        ll.llama_log_set(_NULL_LOG, ctypes.c_void_p(0))
+        _backend_ready = True
+
+
+@ll.llama_log_callback  # type: ignore[untyped-decorator]
+def _NULL_LOG(level: int, text: bytes, user_data: Any) -> None:
+    return None
+
+
+class EngineError(RuntimeError):
+    """llama.cpp refused an operation (load, context, decode)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    n_ctx: int = 8192
+    n_seq: int = 4
+    n_ctx_per_seq: int = 0  # 0 = n_ctx // n_seq
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 2
+    repack: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeStatus:
+    """Outcome of one ``llama_decode``. ``code`` is llama.cpp's return value."""
+
+    code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+    def describe(self) -> str:
+        return {
+            0: "ok",
+            1: "no KV slot for the batch (context full)",
+            2: "aborted",
+            -1: "invalid input batch",
+        }.get(self.code, f"fatal error {self.code}")
+
+
+class Engine:
+    """One loaded model with one context of ``n_seq`` sequences (lanes)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        _ensure_backend()
+        self.cfg = cfg
+        mparams = ll.llama_model_default_params()
+        mparams.use_extra_bufts = cfg.repack
+        self._model = ll.llama_model_load_from_file(cfg.model_path.encode(), mparams)
+        if not self._model:
+            raise EngineError(f"cannot load model {cfg.model_path}")
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        per_seq = cfg.n_ctx_per_seq or cfg.n_ctx // cfg.n_seq
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = cfg.n_ctx
+        cparams.n_batch = cfg.n_batch
+        cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
+        cparams.n_seq_max = cfg.n_seq
+        cparams.n_threads = cfg.n_threads
+        cparams.n_threads_batch = cfg.n_threads
+        cparams.swa_full = True
+        cparams.kv_unified = per_seq * cfg.n_seq > cfg.n_ctx
+        cparams.no_perf = True
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            ll.llama_model_free(self._model)
+            raise EngineError("cannot create llama context")
+        self._mem = ll.llama_get_memory(self._ctx)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
+        self.n_embd = int(ll.llama_model_n_embd(self._model))
+        self.n_layer = int(ll.llama_model_n_layer(self._model))
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
+        self.n_ctx = int(ll.llama_n_ctx(self._ctx))
+        self.n_ctx_per_seq = min(per_seq, int(ll.llama_n_ctx_seq(self._ctx)))
+        self.n_batch = int(ll.llama_n_batch(self._ctx))
+        self.n_seq = cfg.n_seq
+        self.bos = int(ll.llama_vocab_bos(self._vocab))
+        self.eos = int(ll.llama_vocab_eos(self._vocab))
+        self.kv_unified = bool(cparams.kv_unified)
+        self._batch = Batch(self.n_batch, self.n_seq)
+        self._abort_fn: Any = None
+        self._piece_cache: dict[int, bytes] = {}
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def close(self) -> None:
+        if self._ctx:
+            self._batch.free()
+            ll.llama_free(self._ctx)
+            ll.llama_model_free(self._model)
+            self._ctx = None
+            self._model = None
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    # -- vocabulary ----------------------------------------------------------
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        raw = text.encode("utf-8")
+        cap = len(raw) + 8
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The raw bytes of one token (may be part of a UTF-8 character)."""
+        cached = self._piece_cache.get(token)
+        if cached is not None:
+            return cached
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        out = buf.raw[:n]
+        self._piece_cache[token] = out
+        return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+
+    # -- forward -------------------------------------------------------------
+
+    def decode(self, segments: Sequence[Segment]) -> DecodeStatus:
+        """Run ONE ``llama_decode`` over all segments.
+
+        After success, ``logits(seg_index, k)`` reads the rows the segments
+        asked for. On failure the caller must reconcile positions from
+        ``pos_max`` (llama.cpp keeps ubatches that completed).
+        """
+        n = self._batch.fill(segments)
+        if n == 0:
+            return DecodeStatus(0)
+        return DecodeStatus(int(ll.llama_decode(self._ctx, self._batch.raw)))
+
+    def logits_row(self, batch_index: int) -> np.ndarray:
+        """Zero-copy view of one output row; valid until the next decode."""
+        ptr = ll.llama_get_logits_ith(self._ctx, batch_index)
+        if not ptr:
+            raise EngineError(f"no logits for batch row {batch_index}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def output_index(self, segment_index: int, offset: int = -1) -> int:
+        """Batch row of a token of the last decoded batch (offset -1 = last)."""
+        return self._batch.row(segment_index, offset)
+
+    def set_abort(self, fn: Callable[[], bool] | None) -> None:
+        """Install (or remove) a check llama.cpp polls during compute."""
+        if fn is None:
+            self._abort_fn = None
+            ll.llama_set_abort_callback(self._ctx, ll.ggml_abort_callback(), None)
+            return
+
+        def _cb(_data: Any) -> bool:
+            return bool(fn())
+
+        self._abort_fn = ll.ggml_abort_callback(_cb)
+        ll.llama_set_abort_callback(self._ctx, self._abort_fn, None)
+
+    # -- memory --------------------------------------------------------------
+
+    def pos_max(self, seq: int) -> int:
+        """Largest position stored for ``seq``; -1 when it holds nothing."""
+        return int(ll.llama_memory_seq_pos_max(self._mem, seq))
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
+        return bool(ll.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_clear(self, seq: int) -> None:
+        ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def state_get(self, seq: int) -> bytes:
+        size = int(ll.llama_state_seq_get_size(self._ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(ll.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        return bytes(buf[:n])
+
+    def state_set(self, seq: int, data: bytes) -> bool:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(ll.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
+
+    # -- handles for the sampler module ---------------------------------------
+
+    @property
+    def ctx_handle(self) -> Any:
+        return self._ctx
+
+    @property
+    def vocab_handle(self) -> Any:
+        return self._vocab
+
+    @property
+    def model_handle(self) -> Any:
+        return self._model

@@ -1,0 +1,202 @@
+"""One handler per op, in one dispatch table.
+
+A handler validates its arguments (``bad_request`` naming the field), then
+either answers at once (ping, info, stats, tokenize, detokenize, cancel) or
+builds a job and submits it to the scheduler. Handlers never touch the
+socket or llama.cpp directly beyond the engine's tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from protocol.envelope import Op
+
+from .context import RequestCtx
+from .jobs import AtomicBatchJob, BatchEntry, DecodeJob, PrefillJob, SessionOpJob
+from .runtime import SessionNotActive
+from .validate import (
+    BadRequest,
+    args_map,
+    check_token,
+    get_bool,
+    get_int,
+    get_sampling,
+    get_session,
+    get_str,
+    get_tokens,
+)
+
+if TYPE_CHECKING:
+    from .server import Server
+
+Handler = Callable[["Server", RequestCtx, dict[str, Any], list[Any]], None]
+
+
+def h_ping(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    ctx.reply({"pong": True})
+
+
+def h_info(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    ctx.reply(srv.info())
+
+
+def h_stats(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    ctx.reply(srv.stats())
+
+
+def h_tokenize(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    args = args_map(header)
+    text = get_str(args, "text")
+    tokens = srv.engine.tokenize(
+        text, get_bool(args, "add_special", True), get_bool(args, "parse_special", False)
+    )
+    ctx.reply({"tokens": tokens})
+
+
+def h_detokenize(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    args = args_map(header)
+    tokens = get_tokens(args, "tokens", srv.engine.n_vocab, max_len=1 << 20, allow_empty=True)
+    ctx.reply({"text": srv.engine.detokenize(tokens)})
+
+
+def _prefill(srv: Server, ctx: RequestCtx, header: dict[str, Any], sampled: bool) -> None:
+    args = args_map(header)
+    session = get_session(header)
+    tokens = get_tokens(args, "tokens", srv.engine.n_vocab, max_len=srv.rt.ctx_per_lane)
+    spec = get_sampling(args) if sampled else None
+    chunk = min(srv.cfg.prefill_chunk, srv.cfg.budget)
+    srv.sched.submit(PrefillJob(ctx, session, tokens, chunk, sampled, spec))
+
+
+def h_prefill(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    _prefill(srv, ctx, header, sampled=False)
+
+
+def h_prefill_sampled(
+    srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]
+) -> None:
+    _prefill(srv, ctx, header, sampled=True)
+
+
+def h_decode(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    args = args_map(header)
+    session = get_session(header)
+    token = check_token(args.get("token"), srv.engine.n_vocab, "token")
+    spec = get_sampling(args)
+    keep = get_bool(args, "return_logits", False)
+    srv.sched.submit(DecodeJob(ctx, session, token, spec, keep))
+
+
+def _entries_list(args: dict[str, Any], srv: Server) -> list[dict[str, Any]]:
+    requests = args.get("requests")
+    if not isinstance(requests, list) or not requests:
+        raise BadRequest("requests must be a non-empty list")
+    if len(requests) > srv.rt.lanes.n_lanes:
+        raise BadRequest(
+            f"requests has {len(requests)} entries; there are {srv.rt.lanes.n_lanes} lanes"
+        )
+    seen: set[str] = set()
+    for i, req in enumerate(requests):
+        if not isinstance(req, dict):
+            raise BadRequest(f"requests[{i}] must be a map")
+        sid = req.get("session")
+        if not isinstance(sid, str) or not 0 < len(sid) <= 256:
+            raise BadRequest(f"requests[{i}].session must be a non-empty string")
+        if sid in seen:
+            raise BadRequest(f"requests[{i}].session {sid!r} appears twice")
+        seen.add(sid)
+    return requests
+
+
+def h_decode_batch(
+    srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]
+) -> None:
+    args = args_map(header)
+    entries = [
+        BatchEntry(
+            req["session"],
+            [check_token(req.get("token"), srv.engine.n_vocab, f"requests[{i}].token")],
+            True,
+            get_sampling(req),
+        )
+        for i, req in enumerate(_entries_list(args, srv))
+    ]
+    keep = get_bool(args, "return_logits", False)
+    srv.sched.submit(AtomicBatchJob(ctx, entries, "decode_batch", return_logits=keep))
+
+
+def h_iteration_batch(
+    srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]
+) -> None:
+    args = args_map(header)
+    entries: list[BatchEntry] = []
+    starts: dict[int, int] = {}
+    for i, req in enumerate(_entries_list(args, srv)):
+        tokens = get_tokens(req, "tokens", srv.engine.n_vocab, max_len=srv.cfg.budget)
+        phase = req.get("phase", "decode" if len(tokens) == 1 else "prefill")
+        if phase not in ("prefill", "decode"):
+            raise BadRequest(f"requests[{i}].phase must be 'prefill' or 'decode'")
+        if phase == "decode" and len(tokens) != 1:
+            raise BadRequest(f"requests[{i}] is a decode entry and must carry one token")
+        positions = req.get("positions")
+        if positions is not None:
+            ok = isinstance(positions, list) and len(positions) == len(tokens)
+            ok = ok and all(isinstance(p, int) and not isinstance(p, bool) for p in positions)
+            ok = ok and all(b - a == 1 for a, b in itertools.pairwise(positions))
+            if not ok:
+                raise BadRequest(f"requests[{i}].positions must be consecutive, one per token")
+            starts[i] = positions[0]
+        sample = get_bool(req, "sample_last", phase == "decode")
+        entries.append(BatchEntry(req["session"], tokens, sample, get_sampling(req)))
+    total = sum(len(e.tokens) for e in entries)
+    if total > srv.cfg.budget:
+        raise BadRequest(f"iteration carries {total} tokens; one forward takes {srv.cfg.budget}")
+    srv.sched.submit(AtomicBatchJob(ctx, entries, "iteration", start_positions=starts))
+
+
+def _session_op(srv: Server, ctx: RequestCtx, header: dict[str, Any], op: str) -> None:
+    session = get_session(header)
+    count = 0
+    if op != "drop":
+        count = get_int(args_map(header), "token_count", lo=0)
+    if srv.rt.lanes.get(session) is None and not srv.sched.knows_session(session):
+        raise SessionNotActive(f"session {session!r} is not active")
+    srv.sched.submit(SessionOpJob(ctx, session, op, count))
+
+
+def h_trim(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    _session_op(srv, ctx, header, "trim")
+
+
+def h_align(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    _session_op(srv, ctx, header, "align")
+
+
+def h_drop(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    _session_op(srv, ctx, header, "drop")
+
+
+def h_cancel(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    target = get_int(args_map(header), "id")
+    ctx.reply({"cancelled": srv.sched.cancel(ctx.peer, target)})
+
+
+HANDLERS: dict[str, Handler] = {
+    Op.PING: h_ping,
+    Op.INFO: h_info,
+    Op.STATS: h_stats,
+    Op.TOKENIZE: h_tokenize,
+    Op.DETOKENIZE: h_detokenize,
+    Op.PREFILL: h_prefill,
+    Op.PREFILL_SAMPLED: h_prefill_sampled,
+    Op.DECODE: h_decode,
+    Op.DECODE_BATCH: h_decode_batch,
+    Op.ITERATION_BATCH: h_iteration_batch,
+    Op.TRIM: h_trim,
+    Op.ALIGN: h_align,
+    Op.DROP: h_drop,
+    Op.CANCEL: h_cancel,
+}

@@ -1,0 +1,299 @@
+"""Jobs: what one request asks of the scheduler.
+
+A job names the sessions it needs, is started when those sessions are free
+(per-session FIFO order), contributes ``Step``s to the turn's single forward
+through ``plan``, and consumes the results in ``advance``. Ops that touch no
+model (trim, align, drop) are instant jobs: they finish in ``start``, still
+in order with the session's other work.
+
+Phases order a turn's batch: decode tokens first (running streams never
+wait behind a prompt), then atomic batches, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from protocol import frames
+
+from .context import RequestCtx
+from .engine import SamplerSpec
+from .runtime import (
+    Cancelled,
+    ContextOverflow,
+    InvalidArgument,
+    LanesBusy,
+    RuntimeState,
+    Session,
+    Step,
+    StepResult,
+)
+
+PHASE_DECODE = 0
+PHASE_ATOMIC = 1
+PHASE_PREFILL = 2
+
+
+class Job:
+    """Base job. Subclasses set ``sessions`` and override the hooks."""
+
+    phase = PHASE_DECODE
+    atomic = False  # all of plan() must go in one forward
+    waits_for_lane = False  # queue (rather than lanes_busy) when no lane
+    ephemeral = False  # sessions are created for this job and dropped after
+
+    def __init__(self, ctx: RequestCtx, sessions: Sequence[str]) -> None:
+        self.ctx = ctx
+        self.sessions = tuple(sessions)
+        self.cancelled = False
+
+    def start(self, rt: RuntimeState) -> bool:
+        """Admit sessions and check preconditions. True = already finished."""
+        rt.admit(self.sessions, ephemeral=self.ephemeral)
+        return False
+
+    def size(self) -> int:
+        """Tokens this job wants in the next forward (atomic jobs only)."""
+        return 0
+
+    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
+        return []
+
+    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        """Consume this turn's results. True = finished (reply sent)."""
+        return True
+
+    def fail(self, rt: RuntimeState, exc: BaseException) -> None:
+        self.ctx.fail(exc)
+
+    def on_cancel(self, rt: RuntimeState) -> None:
+        self.ctx.fail(Cancelled("request cancelled"))
+
+    def release(self, rt: RuntimeState) -> None:
+        """Called once when the job leaves the scheduler, however it ended."""
+        if self.ephemeral:
+            for sid in self.sessions:
+                if rt.lanes.get(sid) is not None:
+                    rt.drop(sid)
+
+
+def chunk_bounds(done: int, total: int, chunk: int, budget: int, keep_last_whole: bool) -> int:
+    """How many prompt tokens to take now (0 = wait for a later turn).
+
+    With ``keep_last_whole`` the final chunk starts at
+    ``((total - 1) // chunk) * chunk`` and is taken whole, so the sampled
+    logits never depend on how busy the worker was.
+    """
+    if keep_last_whole:
+        split = ((total - 1) // chunk) * chunk
+        if done >= split:
+            last = total - done
+            return last if last <= budget else 0
+        return min(chunk, split - done, budget)
+    return min(chunk, total - done, budget)
+
+
+class PrefillJob(Job):
+    phase = PHASE_PREFILL
+
+    def __init__(
+        self,
+        ctx: RequestCtx,
+        session: str,
+        tokens: list[int],
+        chunk: int,
+        sampled: bool,
+        spec: SamplerSpec | None,
+    ) -> None:
+        super().__init__(ctx, [session])
+        self.tokens = tokens
+        self.chunk = chunk
+        self.sampled = sampled
+        self.spec = spec
+        self.done = 0
+        self.inflight = 0
+        self.session: Session | None = None
+
+    def start(self, rt: RuntimeState) -> bool:
+        (self.session,) = rt.admit(self.sessions)
+        rt.ensure_room(self.session, len(self.tokens))
+        return False
+
+    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
+        assert self.session is not None
+        n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget, self.sampled)
+        self.inflight = n
+        if n == 0:
+            return []
+        part = self.tokens[self.done : self.done + n]
+        last = self.done + n == len(self.tokens)
+        return [Step(self.session, part, sample=self.sampled and last, spec=self.spec)]
+
+    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        assert self.session is not None
+        self.done += self.inflight
+        if self.done < len(self.tokens):
+            return False
+        result: dict[str, Any] = {"position": self.session.position}
+        if self.sampled:
+            result["token"] = results[0].token
+        self.ctx.reply(result)
+        return True
+
+
+class DecodeJob(Job):
+    """One token for one session; concurrent ones share a forward."""
+
+    def __init__(
+        self,
+        ctx: RequestCtx,
+        session: str,
+        token: int,
+        spec: SamplerSpec | None,
+        return_logits: bool,
+    ) -> None:
+        super().__init__(ctx, [session])
+        self.token = token
+        self.spec = spec
+        self.return_logits = return_logits
+        self.session: Session | None = None
+
+    def start(self, rt: RuntimeState) -> bool:
+        (self.session,) = rt.admit(self.sessions)
+        rt.ensure_room(self.session, 1)
+        return False
+
+    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
+        assert self.session is not None
+        if budget < 1:
+            return []
+        return [Step(self.session, [self.token], True, self.spec, self.return_logits)]
+
+    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        assert self.session is not None
+        result: dict[str, Any] = {"token": results[0].token, "position": self.session.position}
+        buffers: list[Any] = []
+        if self.return_logits and results[0].logits is not None:
+            result["logits"] = frames.attach(results[0].logits[None, :], buffers)
+        self.ctx.reply(result, buffers)
+        return True
+
+
+class BatchEntry:
+    """One session's part of an atomic batch (decode_batch / iteration_batch)."""
+
+    __slots__ = ("sample", "session_id", "spec", "tokens")
+
+    def __init__(
+        self, session_id: str, tokens: list[int], sample: bool, spec: SamplerSpec | None
+    ) -> None:
+        self.session_id = session_id
+        self.tokens = tokens
+        self.sample = sample
+        self.spec = spec
+
+
+class AtomicBatchJob(Job):
+    """Several sessions in ONE forward; all admitted before anything runs.
+
+    ``decode_batch`` is the special case of one token per session with a
+    sample each; ``iteration_batch`` mixes prefill and decode entries.
+    """
+
+    phase = PHASE_ATOMIC
+    atomic = True
+
+    def __init__(
+        self,
+        ctx: RequestCtx,
+        entries: list[BatchEntry],
+        label: str,
+        return_logits: bool = False,
+        start_positions: dict[int, int] | None = None,
+    ) -> None:
+        super().__init__(ctx, [e.session_id for e in entries])
+        self.entries = entries
+        self.label = label
+        self.return_logits = return_logits
+        self.start_positions = start_positions or {}
+        self.bound: list[Session] = []
+
+    def start(self, rt: RuntimeState) -> bool:
+        missing = rt.lanes.missing(self.sessions)
+        if len(missing) > rt.lanes.free:
+            raise LanesBusy(
+                f"{self.label} requires {len(missing)} new sessions but only "
+                f"{rt.lanes.free} execution lanes are available"
+            )
+        # Check every precondition before admitting anyone, so a refused
+        # request leaves no half-admitted sessions behind.
+        for index, entry in enumerate(self.entries):
+            known = rt.lanes.get(entry.session_id)
+            position = known.position if known else 0
+            want = self.start_positions.get(index)
+            if want is not None and want != position:
+                raise InvalidArgument(
+                    f"requests[{index}].positions start at {want} but session "
+                    f"{entry.session_id!r} is at {position}"
+                )
+            if position + len(entry.tokens) > rt.ctx_per_lane:
+                raise ContextOverflow(
+                    f"requests[{index}] would take session {entry.session_id!r} past "
+                    f"its {rt.ctx_per_lane} context cells"
+                )
+        self.bound = rt.admit(self.sessions)
+        return False
+
+    def size(self) -> int:
+        return sum(len(e.tokens) for e in self.entries)
+
+    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
+        if self.size() > budget:
+            return []
+        return [
+            Step(s, e.tokens, e.sample, e.spec, self.return_logits and e.sample)
+            for s, e in zip(self.bound, self.entries, strict=True)
+        ]
+
+    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        buffers: list[Any] = []
+        if self.label == "decode_batch":
+            result: dict[str, Any] = {"tokens": [r.token for r in results]}
+            if self.return_logits:
+                stacked = np.stack([r.logits for r in results if r.logits is not None])
+                result["logits"] = frames.attach(stacked, buffers)
+        else:
+            result = {
+                "samples": [
+                    {"request_index": i, "token": r.token}
+                    for i, r in enumerate(results)
+                    if r.token is not None
+                ],
+                "positions": [s.position for s in self.bound],
+            }
+        self.ctx.reply(result, buffers)
+        return True
+
+
+class SessionOpJob(Job):
+    """trim / align / drop: no forward, but ordered with the session's work."""
+
+    def __init__(self, ctx: RequestCtx, session: str, op: str, token_count: int = 0) -> None:
+        super().__init__(ctx, [session])
+        self.op = op
+        self.token_count = token_count
+
+    def start(self, rt: RuntimeState) -> bool:
+        sid = self.sessions[0]
+        if self.op == "trim":
+            self.ctx.reply({"position": rt.trim(sid, self.token_count)})
+        elif self.op == "align":
+            before, after = rt.align(sid, self.token_count)
+            self.ctx.reply({"before": before, "after": after})
+        else:
+            rt.drop(sid)
+            self.ctx.reply({})
+        return True

@@ -1,0 +1,84 @@
+"""Lane and session bookkeeping (pure Python, no engine).
+
+A lane is a llama.cpp sequence id. A session is admitted to a free lane on
+first use and keeps it until dropped. ``admit`` is all-or-nothing: when a
+request names several new sessions and there are not enough free lanes,
+nothing is admitted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import LanesBusy, SessionNotActive
+
+
+@dataclass
+class Session:
+    id: str
+    lane: int
+    position: int = 0
+    tokens: list[int] = field(default_factory=list)
+    ephemeral: bool = False
+    sampler: Any = None  # engine Sampler, owned by the runtime
+    last_used: float = field(default_factory=time.monotonic)
+    last_token: int | None = None
+    last_logits: Any = None  # numpy copy of the last sampled row (signals)
+
+
+class LanePool:
+    def __init__(self, n_lanes: int) -> None:
+        self.n_lanes = n_lanes
+        self._free: list[int] = list(range(n_lanes))
+        self.sessions: dict[str, Session] = {}
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def active(self) -> int:
+        return len(self.sessions)
+
+    def get(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def require(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotActive(f"session {session_id!r} is not active")
+        return session
+
+    def missing(self, session_ids: Iterable[str]) -> list[str]:
+        """Sessions among ``session_ids`` that would need a new lane."""
+        seen: set[str] = set()
+        out = []
+        for sid in session_ids:
+            if sid not in self.sessions and sid not in seen:
+                seen.add(sid)
+                out.append(sid)
+        return out
+
+    def admit(self, session_ids: Iterable[str], ephemeral: bool = False) -> list[Session]:
+        """Admit every new session or none; return all named sessions in order."""
+        ids = list(session_ids)
+        new = self.missing(ids)
+        if len(new) > len(self._free):
+            raise LanesBusy(
+                f"request requires {len(new)} new sessions but only "
+                f"{len(self._free)} execution lanes are available"
+            )
+        for sid in new:
+            self._free.sort()
+            lane = self._free.pop(0)
+            self.sessions[sid] = Session(sid, lane, ephemeral=ephemeral)
+        return [self.sessions[sid] for sid in ids]
+
+    def release(self, session_id: str) -> Session:
+        session = self.require(session_id)
+        del self.sessions[session_id]
+        self._free.append(session.lane)
+        return session

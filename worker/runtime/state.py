@@ -1,0 +1,193 @@
+"""RuntimeState: sessions <-> lanes, positions, and one forward at a time.
+
+Every model call goes through ``forward(steps)``: one ``llama_decode`` over
+steps of several sessions, then sampling, then position bookkeeping. The
+invariant kept after every op is that a session's tracked position equals
+the engine's (``pos_max + 1``); a mismatch raises ``PositionMismatch``
+naming both figures instead of being papered over.
+
+When a forward fails part-way, llama.cpp keeps the ubatches that completed.
+We read each involved lane's real position back and move exactly the
+sessions that advanced (their token history is cut to match), then raise
+``EngineFault`` saying which ones moved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..engine import Engine, Sampler, SamplerSpec, Segment, greedy_token
+from .errors import (
+    ContextOverflow,
+    EngineFault,
+    InvalidArgument,
+    PositionMismatch,
+)
+from .lanes import LanePool, Session
+
+
+@dataclass
+class Step:
+    """Part of one forward: ``tokens`` appended to ``session``.
+
+    ``sample`` asks for a token sampled after the last one (with ``spec``,
+    or greedy when ``spec`` is None); ``keep_logits`` copies that row out.
+    """
+
+    session: Session
+    tokens: Sequence[int]
+    sample: bool = False
+    spec: SamplerSpec | None = None
+    keep_logits: bool = False
+
+
+@dataclass
+class StepResult:
+    token: int | None = None
+    logits: np.ndarray | None = None
+
+
+class RuntimeState:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.lanes = LanePool(engine.n_seq)
+        self.ctx_per_lane = engine.n_ctx_per_seq
+        self.tokens_evaluated = 0
+        self.forwards = 0
+        self.started = time.monotonic()
+
+    # -- admission and lifecycle ------------------------------------------
+
+    def admit(self, session_ids: Sequence[str], ephemeral: bool = False) -> list[Session]:
+        return self.lanes.admit(session_ids, ephemeral)
+
+    def drop(self, session_id: str) -> None:
+        session = self.lanes.require(session_id)
+        self.engine.seq_clear(session.lane)
+        if session.sampler is not None:
+            session.sampler.free()
+        self.lanes.release(session_id)
+
+    def trim(self, session_id: str, token_count: int) -> int:
+        """Drop KV at and beyond ``token_count``; the session ends there."""
+        session = self.lanes.require(session_id)
+        if token_count > session.position:
+            raise InvalidArgument(
+                f"cannot trim session {session_id!r} at {session.position} forward to {token_count}"
+            )
+        if not self.engine.seq_rm(session.lane, token_count, -1):
+            raise EngineFault(f"llama.cpp refused to trim lane {session.lane}", {})
+        session.position = token_count
+        del session.tokens[token_count:]
+        session.last_logits = None
+        self.check_position(session)
+        return session.position
+
+    def align(self, session_id: str, token_count: int) -> tuple[int | None, int | None]:
+        """Trim only when the session is ahead of ``token_count``."""
+        session = self.lanes.require(session_id)
+        before = session.position
+        if before <= token_count:
+            return None, None
+        return before, self.trim(session_id, token_count)
+
+    def check_position(self, session: Session) -> None:
+        engine_pos = self.engine.pos_max(session.lane) + 1
+        if engine_pos != session.position:
+            raise PositionMismatch(
+                f"session {session.id!r} on lane {session.lane}: tracked position "
+                f"{session.position} != engine position {engine_pos}"
+            )
+
+    def ensure_room(self, session: Session, n_tokens: int) -> None:
+        if session.position + n_tokens > self.ctx_per_lane:
+            raise ContextOverflow(
+                f"session {session.id!r} at {session.position} + {n_tokens} tokens exceeds "
+                f"its {self.ctx_per_lane} context cells"
+            )
+
+    def sampler_for(self, session: Session, spec: SamplerSpec) -> Sampler:
+        """The session's chain, rebuilt only when its parameters change."""
+        if session.sampler is None or session.sampler.spec != spec:
+            if session.sampler is not None:
+                session.sampler.free()
+            session.sampler = Sampler(self.engine, spec)
+        sampler: Sampler = session.sampler
+        return sampler
+
+    # -- the forward -------------------------------------------------------
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        """Run one ``llama_decode`` over ``steps`` and sample what they ask."""
+        for step in steps:
+            self.ensure_room(step.session, len(step.tokens))
+        segments = [
+            Segment(s.session.lane, s.tokens, s.session.position, "last" if s.sample else "none")
+            for s in steps
+        ]
+        status = self.engine.decode(segments)
+        self.forwards += 1
+        if not status.ok:
+            self._reconcile_after_failure(steps, status.describe())
+        results: list[StepResult] = []
+        for index, step in enumerate(steps):
+            session = step.session
+            session.position += len(step.tokens)
+            session.tokens.extend(step.tokens)
+            session.last_used = time.monotonic()
+            self.tokens_evaluated += len(step.tokens)
+            result = StepResult()
+            if step.sample:
+                row = self.engine.output_index(index)
+                if step.spec is None or step.spec.greedy:
+                    result.token = greedy_token(self.engine, row)
+                else:
+                    result.token = self.sampler_for(session, step.spec).sample(row)
+                session.last_token = result.token
+                if step.keep_logits:
+                    result.logits = self.engine.logits_row(row).copy()
+            results.append(result)
+        for step in steps:
+            self.check_position(step.session)
+        return results
+
+    def _reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None:
+        advanced: dict[str, int] = {}
+        for step in steps:
+            session = step.session
+            engine_pos = self.engine.pos_max(session.lane) + 1
+            if engine_pos == session.position:
+                continue
+            lo, hi = session.position, session.position + len(step.tokens)
+            if not lo <= engine_pos <= hi:
+                raise PositionMismatch(
+                    f"after a failed decode, lane {session.lane} is at {engine_pos}, "
+                    f"outside the step's span {lo}..{hi}"
+                )
+            session.tokens.extend(step.tokens[: engine_pos - lo])
+            session.position = engine_pos
+            advanced[session.id] = engine_pos
+            self.tokens_evaluated += engine_pos - lo
+        raise EngineFault(f"llama_decode failed: {why}", advanced)
+
+    # -- introspection -----------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "lanes": {
+                "total": self.lanes.n_lanes,
+                "active": self.lanes.active,
+                "idle": self.lanes.free,
+            },
+            "sessions": [
+                {"lane": s.lane, "session": s.id, "position": s.position}
+                for s in sorted(self.lanes.sessions.values(), key=lambda s: s.lane)
+            ],
+            "tokens_evaluated": self.tokens_evaluated,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+        }

@@ -1,0 +1,247 @@
+"""Continuous batching: every turn runs at most ONE forward.
+
+A turn: expire deadlines, apply cancels, start queued jobs whose sessions
+are free (per-session FIFO, so a pipelining client sees its ops in order),
+then build one batch under the token budget:
+
+1. one decode token per running generation / pending ``decode`` (so
+   concurrent decodes from different peers coalesce into one forward);
+2. atomic batches (``decode_batch``, ``iteration_batch``), whole or not at
+   all; one that did not fit goes first next turn;
+3. prefill chunks, round-robin across jobs, so a long prompt never holds
+   running streams for more than one chunk.
+
+The scheduler knows nothing about sockets: jobs answer via ``RequestCtx``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .jobs import PHASE_ATOMIC, PHASE_DECODE, Job
+from .logs import get_logger
+from .runtime import (
+    Cancelled,
+    DeadlineExceeded,
+    LanesBusy,
+    QueueFull,
+    RuntimeFault,
+    RuntimeState,
+    Step,
+)
+from .stats import SchedulerStats
+
+_log = get_logger("skiff.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 512
+    prefill_chunk: int = 256
+    max_queue: int = 64
+    admission_timeout_ms: int = 60_000
+
+
+class Scheduler:
+    def __init__(self, rt: RuntimeState, cfg: SchedulerConfig) -> None:
+        self.rt = rt
+        self.cfg = cfg
+        self.pending: deque[Job] = deque()
+        self.active: list[Job] = []
+        self.busy: set[str] = set()
+        self.stats = SchedulerStats()
+        self._turn = 0
+        self._boost: Job | None = None  # atomic job that missed the last turn
+
+    # -- intake ------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; refuse at once when the wait queue is full."""
+        if len(self.pending) >= self.cfg.max_queue:
+            self.stats.rejected += 1
+            raise QueueFull(
+                f"{len(self.pending)} requests already queued (max {self.cfg.max_queue})",
+                retry_after_ms=self._retry_hint_ms(),
+            )
+        self.pending.append(job)
+
+    def _retry_hint_ms(self) -> int:
+        # A rough wait: one average turn per queued request ahead of us.
+        return max(10, int(self.stats.mean_turn_ms() * max(1, len(self.pending))))
+
+    def cancel(self, peer: bytes, req_id: int) -> bool:
+        for job in self._all_jobs():
+            if job.ctx.peer == peer and job.ctx.id == req_id and not job.cancelled:
+                job.cancelled = True
+                return True
+        return False
+
+    def cancel_peer(self, peer: bytes) -> int:
+        count = 0
+        for job in self._all_jobs():
+            if job.ctx.peer == peer and not job.cancelled:
+                job.cancelled = True
+                count += 1
+        return count
+
+    def knows_session(self, session_id: str) -> bool:
+        """True when queued or running work names this session."""
+        return any(session_id in job.sessions for job in self._all_jobs())
+
+    def has_work(self) -> bool:
+        return bool(self.active) or bool(self.pending)
+
+    def _all_jobs(self) -> Iterable[Job]:
+        yield from self.active
+        yield from self.pending
+
+    # -- one turn ------------------------------------------------------------
+
+    def turn(self) -> None:
+        """Advance the world by at most one forward."""
+        self._turn += 1
+        now = time.monotonic()
+        self._reap(now)
+        self._start_pending(now)
+        steps, owners = self._plan()
+        if not steps:
+            return
+        started = time.perf_counter()
+        try:
+            results = self.rt.forward(steps)
+        except RuntimeFault as exc:
+            _log.error("forward_failed", error=str(exc), jobs=len(owners))
+            for job, _ in owners:
+                self._finish(job, exc)
+            return
+        finally:
+            self.stats.record_forward(steps, time.perf_counter() - started)
+        offset = 0
+        for job, count in owners:
+            part = results[offset : offset + count]
+            offset += count
+            try:
+                finished = job.advance(self.rt, part)
+            except RuntimeFault as exc:
+                self._finish(job, exc)
+                continue
+            except Exception as exc:  # a bug in one job must not kill the others
+                _log.exception("job_crashed", op=job.ctx.op)
+                self._finish(job, exc)
+                continue
+            if finished:
+                self._finish(job, None)
+
+    def _reap(self, now: float) -> None:
+        """Apply cancels, dead peers and deadlines to queued and running jobs."""
+        for job in list(self.pending):
+            reason = self._stop_reason(job, now, queued=True)
+            if reason is not None:
+                self.pending.remove(job)
+                self._count_stop(reason)
+                job.fail(self.rt, reason)
+                job.release(self.rt)
+        for job in list(self.active):
+            reason = self._stop_reason(job, now, queued=False)
+            if reason is None:
+                continue
+            self._count_stop(reason)
+            if isinstance(reason, Cancelled):
+                job.on_cancel(self.rt)
+                self._finish(job, None)
+            else:
+                self._finish(job, reason)
+
+    def _stop_reason(self, job: Job, now: float, queued: bool) -> RuntimeFault | None:
+        if job.cancelled or job.ctx.dead:
+            return Cancelled("request cancelled" if job.cancelled else "peer stopped receiving")
+        if job.ctx.expired(now):
+            return DeadlineExceeded("deadline passed")
+        if queued and job.waits_for_lane:
+            waited_ms = (now - job.ctx.received) * 1000
+            if waited_ms > self.cfg.admission_timeout_ms:
+                return DeadlineExceeded(f"no lane within {self.cfg.admission_timeout_ms} ms")
+        return None
+
+    def _count_stop(self, reason: RuntimeFault) -> None:
+        if isinstance(reason, Cancelled):
+            self.stats.cancelled += 1
+        else:
+            self.stats.expired += 1
+
+    def _start_pending(self, now: float) -> None:
+        blocked: set[str] = set(self.busy)
+        for job in list(self.pending):
+            if blocked.intersection(job.sessions):
+                blocked.update(job.sessions)
+                continue
+            try:
+                finished = job.start(self.rt)
+            except LanesBusy as exc:
+                if job.waits_for_lane:
+                    blocked.update(job.sessions)
+                    continue
+                self.pending.remove(job)
+                self.stats.rejected += 1
+                job.fail(self.rt, exc)
+                continue
+            except Exception as exc:
+                self.pending.remove(job)
+                job.fail(self.rt, exc)
+                job.release(self.rt)
+                continue
+            self.pending.remove(job)
+            self.stats.admitted += 1
+            self.stats.record_queue_wait(now - job.ctx.received)
+            if finished:
+                job.release(self.rt)
+                continue
+            self.active.append(job)
+            self.busy.update(job.sessions)
+            blocked.update(job.sessions)
+
+    def _plan(self) -> tuple[list[Step], list[tuple[Job, int]]]:
+        budget = self.cfg.max_batch_tokens
+        steps: list[Step] = []
+        owners: list[tuple[Job, int]] = []
+        order = self._rotated(self.active)
+        boosted = self._boost if self._boost in self.active else None
+        self._boost = None
+        if boosted is not None:
+            order.remove(boosted)
+            order.insert(0, boosted)
+        for phase in (PHASE_DECODE, PHASE_ATOMIC, None):
+            for job in order:
+                in_phase = job.phase == phase if phase is not None else job.phase > PHASE_ATOMIC
+                if boosted is job and phase is PHASE_DECODE:
+                    in_phase = True  # the starved atomic job goes before everyone
+                elif boosted is job:
+                    continue
+                if not in_phase or budget <= 0:
+                    continue
+                planned = job.plan(self.rt, budget)
+                if not planned:
+                    if job.atomic and self._boost is None:
+                        self._boost = job
+                    continue
+                steps.extend(planned)
+                owners.append((job, len(planned)))
+                budget -= sum(len(s.tokens) for s in planned)
+        return steps, owners
+
+    def _rotated(self, jobs: list[Job]) -> list[Job]:
+        if not jobs:
+            return []
+        k = self._turn % len(jobs)
+        return jobs[k:] + jobs[:k]
+
+    def _finish(self, job: Job, exc: BaseException | None) -> None:
+        if exc is not None:
+            job.fail(self.rt, exc)
+        if job in self.active:
+            self.active.remove(job)
+            self.busy.difference_update(job.sessions)
+        job.release(self.rt)
