@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -28,8 +29,16 @@ def build_engine(cfg: config.WorkerConfig) -> Engine:
     )
 
 
+def raise_fd_limit() -> None:
+    """Every connected peer costs a file descriptor; allow as many as we may."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config.parse(argv)
+    raise_fd_limit()
     logs.configure(cfg.log_format, cfg.log_level)
     log = logs.get_logger("skiff.cli")
     try:

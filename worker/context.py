@@ -65,6 +65,11 @@ class RequestCtx:
         self.finished = True
         self._emit(envelope.ok_reply(self.id, result), buffers)
 
+    def reply_done(self, result: dict[str, Any]) -> None:
+        """The single reply of a non-streaming streamable op (``done: true``)."""
+        self.finished = True
+        self._emit({**envelope.ok_reply(self.id, result), "done": True})
+
     def event(self, event: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
         if event.get("done"):
             self.finished = True

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from protocol.envelope import Op
 
 from .context import RequestCtx
+from .generate import GenerateJob
 from .jobs import AtomicBatchJob, BatchEntry, DecodeJob, PrefillJob, SessionOpJob
 from .runtime import SessionNotActive
 from .validate import (
@@ -157,6 +158,50 @@ def h_iteration_batch(
     srv.sched.submit(AtomicBatchJob(ctx, entries, "iteration", start_positions=starts))
 
 
+_ephemeral_ids = itertools.count(1)
+
+
+def h_generate(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    args = args_map(header)
+    named = header.get("session") is not None
+    session = get_session(header) if named else f"~gen-{next(_ephemeral_ids)}"
+    has_prompt, has_tokens = "prompt" in args, "tokens" in args
+    if has_prompt == has_tokens:
+        raise BadRequest("give exactly one of prompt or tokens")
+    limit = srv.rt.ctx_per_lane
+    prompt: str | list[int] = (
+        get_str(args, "prompt", max_len=limit * 64)
+        if has_prompt
+        else get_tokens(args, "tokens", srv.engine.n_vocab, max_len=limit)
+    )
+    stop = args.get("stop", [])
+    if (
+        not isinstance(stop, list)
+        or len(stop) > 16
+        or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in stop)
+    ):
+        raise BadRequest("stop must be a list of at most 16 non-empty strings")
+    stop_tokens = (
+        get_tokens(args, "stop_tokens", srv.engine.n_vocab, max_len=256, allow_empty=True)
+        if "stop_tokens" in args
+        else []
+    )
+    job = GenerateJob(
+        ctx,
+        session,
+        ephemeral=not named,
+        prompt=prompt,
+        max_tokens=get_int(args, "max_tokens", default=256, lo=1, hi=limit),
+        spec=get_sampling(args),
+        stop=stop,
+        stop_tokens=set(stop_tokens),
+        ignore_eos=get_bool(args, "ignore_eos", False),
+        stream=get_bool(args, "stream", True),
+        chunk=min(srv.cfg.prefill_chunk, srv.cfg.budget),
+    )
+    srv.sched.submit(job)
+
+
 def _session_op(srv: Server, ctx: RequestCtx, header: dict[str, Any], op: str) -> None:
     session = get_session(header)
     count = 0
@@ -198,5 +243,6 @@ HANDLERS: dict[str, Handler] = {
     Op.TRIM: h_trim,
     Op.ALIGN: h_align,
     Op.DROP: h_drop,
+    Op.GENERATE: h_generate,
     Op.CANCEL: h_cancel,
 }

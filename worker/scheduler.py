@@ -59,8 +59,11 @@ class Scheduler:
     # -- intake ------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        """Queue a job; refuse at once when the wait queue is full."""
-        if len(self.pending) >= self.cfg.max_queue:
+        """Queue a job; refuse at once when the wait queue is full.
+
+        Jobs that free lanes will take this turn do not count as waiting.
+        """
+        if len(self.pending) >= self.cfg.max_queue + self.rt.lanes.free:
             self.stats.rejected += 1
             raise QueueFull(
                 f"{len(self.pending)} requests already queued (max {self.cfg.max_queue})",

@@ -26,6 +26,7 @@ class Session:
     sampler: Any = None  # engine Sampler, owned by the runtime
     last_used: float = field(default_factory=time.monotonic)
     last_token: int | None = None
+    pending: list[int] = field(default_factory=list)  # shown by generate, not yet fed
     last_logits: Any = None  # numpy copy of the last sampled row (signals)
 
 

@@ -83,6 +83,7 @@ class RuntimeState:
         if not self.engine.seq_rm(session.lane, token_count, -1):
             raise EngineFault(f"llama.cpp refused to trim lane {session.lane}", {})
         session.position = token_count
+        session.pending = []
         del session.tokens[token_count:]
         session.last_logits = None
         self.check_position(session)

@@ -1,0 +1,88 @@
+"""GenerateJob's text handling on a stub engine: UTF-8 safety and stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.context import RequestCtx
+from worker.generate import GenerateJob
+from worker.runtime import Session
+
+
+class _Engine:
+    def __init__(self, pieces: dict[int, bytes]) -> None:
+        self.pieces = pieces
+
+    def piece(self, token: int) -> bytes:
+        return self.pieces[token]
+
+    def is_eog(self, token: int) -> bool:
+        return token == 1
+
+
+class _Rt:
+    ctx_per_lane = 1000
+
+    def __init__(self, pieces: dict[int, bytes]) -> None:
+        self.engine = _Engine(pieces)
+
+
+def _job(stop: list[str], max_tokens: int = 50) -> tuple[GenerateJob, list[dict[str, Any]]]:
+    sent: list[dict[str, Any]] = []
+
+    def send(peer: bytes, header: dict[str, Any], buffers: object) -> bool:
+        sent.append(header)
+        return True
+
+    ctx = RequestCtx(b"p", 1, "generate", None, send)
+    job = GenerateJob(ctx, "s", False, [5], max_tokens, None, stop, set(), False, True, 256)
+    job.session = Session("s", 0, position=1)
+    job.tokens = [5]
+    return job, sent
+
+
+def _run(job: GenerateJob, rt: _Rt, tokens: list[int]) -> None:
+    for tok in tokens:
+        assert job.session is not None
+        if job._take(rt, tok):  # type: ignore[arg-type]
+            return
+        job.session.position += 1
+
+
+def test_multibyte_character_split_across_tokens_is_never_split_in_text() -> None:
+    euro = "€".encode()  # 3 bytes
+    rt = _Rt({10: b"price ", 11: euro[:1], 12: euro[1:], 13: b"5"})
+    job, sent = _job([], max_tokens=4)
+    _run(job, rt, [10, 11, 12, 13])
+    texts = [h["text"] for h in sent if h.get("event") == "token"]
+    assert texts == ["price ", "", "€", "5"]
+    assert sent[-1]["done"] and sent[-1]["finish_reason"] == "length"
+
+
+def test_stop_string_across_tokens_is_cut_and_prefix_held_back() -> None:
+    rt = _Rt({20: b"Hello wo", 21: b"rld and", 22: b" more"})
+    job, sent = _job(["world"])
+    _run(job, rt, [20, 21, 22])
+    texts = [h["text"] for h in sent if h.get("event") == "token"]
+    # "wo" could start "world": held back, then dropped with the stop string.
+    assert texts == ["Hello ", ""]
+    assert sent[-1]["finish_reason"] == "stop"
+
+
+def test_held_prefix_that_was_not_a_stop_is_released_at_the_end() -> None:
+    rt = _Rt({30: b"say wo", 31: b"w"})
+    job, sent = _job(["world"], max_tokens=2)
+    _run(job, rt, [30, 31])
+    events = [h for h in sent if h.get("event") == "token"]
+    shown = "".join(h["text"] for h in events) + sent[-1]["text"]
+    assert shown == "say wow"
+    assert sent[-1]["finish_reason"] == "length"
+
+
+def test_eos_ends_with_stop_and_is_not_shown() -> None:
+    rt = _Rt({40: b"fin"})
+    job, sent = _job([])
+    _run(job, rt, [40, 1])
+    assert [h["token"] for h in sent if h.get("event") == "token"] == [40]
+    assert sent[-1]["finish_reason"] == "stop"
+    assert sent[-1]["usage"]["completion_tokens"] == 1

@@ -1,0 +1,193 @@
+"""The ``generate`` job: prompt prefill, then one token per scheduler turn.
+
+A generation waits in the admission queue for a lane (``waits_for_lane``),
+prefills its prompt in chunks (final chunk whole, so the first token does
+not depend on load), then contributes one decode token to every forward
+until a stop condition. Each token is streamed as an event whose ``text`` is
+a UTF-8-safe delta: an incremental decoder holds back partial characters,
+and text that could be the start of a stop string is held back until it is
+known not to be one.
+
+The last sampled token is not in the KV cache when generation ends (it was
+never fed back). For a named session we remember it as ``pending`` and feed
+it in front of the next ``generate`` prompt, so multi-turn continuation sees
+exactly the text it was shown.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from typing import Any
+
+from .context import RequestCtx
+from .engine import SamplerSpec
+from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds
+from .runtime import InvalidArgument, RuntimeState, Session, Step, StepResult
+
+
+class GenerateJob(Job):
+    waits_for_lane = True
+
+    def __init__(
+        self,
+        ctx: RequestCtx,
+        session: str,
+        ephemeral: bool,
+        prompt: str | list[int],
+        max_tokens: int,
+        spec: SamplerSpec | None,
+        stop: list[str],
+        stop_tokens: set[int],
+        ignore_eos: bool,
+        stream: bool,
+        chunk: int,
+    ) -> None:
+        super().__init__(ctx, [session])
+        self.phase = PHASE_PREFILL  # PHASE_DECODE once the first token is out
+        self.ephemeral = ephemeral
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.spec = spec
+        self.stop = stop
+        self.stop_tokens = stop_tokens
+        self.ignore_eos = ignore_eos
+        self.stream = stream
+        self.chunk = chunk
+        self.session: Session | None = None
+        self.tokens: list[int] = []  # prompt tokens to prefill
+        self.done = 0
+        self.inflight = 0
+        self.next_token: int | None = None  # sampled, not yet in the KV cache
+        self.completion: list[int] = []
+        self.text_parts: list[str] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""  # decoded text not yet emitted (possible stop prefix)
+        self.t_start = 0.0
+        self.t_first = 0.0
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self, rt: RuntimeState) -> bool:
+        (self.session,) = rt.admit(self.sessions, ephemeral=self.ephemeral)
+        session = self.session
+        if isinstance(self.prompt, str):
+            fresh = session.position == 0 and not session.pending
+            prompt = rt.engine.tokenize(self.prompt, add_special=fresh, parse_special=False)
+        else:
+            prompt = list(self.prompt)
+        self.tokens = session.pending + prompt
+        if not self.tokens:
+            raise InvalidArgument("prompt is empty")
+        rt.ensure_room(session, len(self.tokens))
+        session.pending = []
+        self.t_start = time.monotonic()
+        return False
+
+    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
+        assert self.session is not None
+        if self.next_token is not None:
+            return [Step(self.session, [self.next_token], True, self.spec)] if budget >= 1 else []
+        n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget, keep_last_whole=True)
+        self.inflight = n
+        if n == 0:
+            return []
+        last = self.done + n == len(self.tokens)
+        return [Step(self.session, self.tokens[self.done : self.done + n], last, self.spec)]
+
+    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        if self.next_token is None:
+            self.done += self.inflight
+            if self.done < len(self.tokens):
+                return False
+            self.t_first = time.monotonic()
+        token = results[0].token
+        assert token is not None
+        return self._take(rt, token)
+
+    # -- one sampled token -----------------------------------------------------------
+
+    def _take(self, rt: RuntimeState, token: int) -> bool:
+        assert self.session is not None
+        self.next_token = None  # the token fed this turn is in the KV cache now
+        if token in self.stop_tokens or (not self.ignore_eos and rt.engine.is_eog(token)):
+            self._finish(rt, "stop")
+            return True
+        self.completion.append(token)
+        self.next_token = token
+        self.phase = PHASE_DECODE
+        self._held += self._utf8.decode(rt.engine.piece(token))
+        cut = self._stop_index(self._held)
+        if cut is not None:
+            self._emit(token, self._held[:cut])
+            self._held = ""
+            self._finish(rt, "stop")
+            return True
+        keep = self._partial_stop_len(self._held)
+        delta, self._held = (
+            self._held[: len(self._held) - keep],
+            self._held[len(self._held) - keep :],
+        )
+        self._emit(token, delta)
+        if len(self.completion) >= self.max_tokens:
+            self._finish(rt, "length")
+            return True
+        if self.session.position + 1 > rt.ctx_per_lane:
+            self._finish(rt, "length")
+            return True
+        return False
+
+    def _stop_index(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that begins a stop string."""
+        best = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if stop.startswith(text[-k:]):
+                    best = k
+                    break
+        return best
+
+    def _emit(self, token: int, delta: str) -> None:
+        assert self.session is not None
+        self.text_parts.append(delta)
+        if self.stream:
+            self.ctx.event(
+                {"event": "token", "token": token, "text": delta, "position": self.session.position}
+            )
+
+    # -- endings ------------------------------------------------------------------
+
+    def _finish(self, rt: RuntimeState, reason: str) -> None:
+        # Text held back as a possible stop-string prefix was not one after all.
+        tail = "" if reason == "stop" else self._held + self._utf8.decode(b"", final=True)
+        self._held = ""
+        self.text_parts.append(tail)
+        if self.session is not None and not self.ephemeral and self.next_token is not None:
+            # The last shown token never reached the KV cache; the next turn feeds it.
+            self.session.pending = [self.next_token]
+        now = time.monotonic()
+        first = self.t_first or now
+        summary: dict[str, Any] = {
+            "finish_reason": reason,
+            "usage": {"prompt_tokens": len(self.tokens), "completion_tokens": len(self.completion)},
+            "timings": {
+                "queue_ms": round((self.t_start - self.ctx.received) * 1000, 3)
+                if self.t_start
+                else round((now - self.ctx.received) * 1000, 3),
+                "prefill_ms": round((first - self.t_start) * 1000, 3) if self.t_start else 0.0,
+                "ttft_ms": round((first - self.ctx.received) * 1000, 3),
+                "decode_ms": round((now - first) * 1000, 3),
+            },
+        }
+        if self.stream:
+            self.ctx.event({"done": True, "text": tail, **summary})
+        else:
+            result = {"text": "".join(self.text_parts), "tokens": self.completion, **summary}
+            self.ctx.reply_done(result)
+
+    def on_cancel(self, rt: RuntimeState) -> None:
+        self._finish(rt, "cancelled")
