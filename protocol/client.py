@@ -151,6 +151,13 @@ class _Ops:
     def cancel(self, request_id: int) -> Any:
         return self._invoke("cancel", None, {"id": request_id}, lambda r: r.result["cancelled"])
 
+    def chat(
+        self, messages: Sequence[dict[str, Any]], session: str | None = None, **args: Any
+    ) -> Any:
+        """One chat turn, not streamed: ``{"text", "tokens", "finish_reason", ...}``."""
+        args = {**args, "messages": list(messages), "stream": False}
+        return self._invoke("chat", session, args, _result)
+
 
 def _keep_reply(reply: Reply) -> Reply:
     return reply

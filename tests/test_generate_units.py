@@ -44,7 +44,7 @@ def _job(stop: list[str], max_tokens: int = 50) -> tuple[GenerateJob, list[dict[
 def _run(job: GenerateJob, rt: _Rt, tokens: list[int]) -> None:
     for tok in tokens:
         assert job.session is not None
-        if job._take(rt, tok):  # type: ignore[arg-type]
+        if job._take_all(rt, [tok], job.session.position):  # type: ignore[arg-type]
             return
         job.session.position += 1
 

@@ -24,7 +24,7 @@ class WorkerConfig:
     batch: int = 512
     ubatch: int = 512
     threads: int = 0  # 0 = all cores
-    repack: int = 1
+    repack: int = 0
     max_batch_tokens: int = 0  # 0 = batch
     prefill_chunk: int = 256
     max_queue: int = 64
@@ -33,6 +33,7 @@ class WorkerConfig:
     max_request_bytes: int = 4 * 1024 * 1024
     log_format: str = "auto"
     log_level: str = "info"
+    chat_template: str = ""  # "" = the model's own, else the Gemma-turn fallback
 
     @property
     def n_threads(self) -> int:
@@ -56,7 +57,7 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("batch", int, "n_batch: most tokens one llama_decode takes"),
     ("ubatch", int, "n_ubatch: physical micro-batch size"),
     ("threads", int, "compute threads; 0 = all cores"),
-    ("repack", int, "1 = let llama.cpp repack weights (extra buffer types); 0 = off (AMX builds)"),
+    ("repack", int, "1 = llama.cpp weight repacking (batch-shape-dependent numerics); 0 = off"),
     ("max-batch-tokens", int, "token budget of one scheduler turn; 0 = batch"),
     ("prefill-chunk", int, "prompt tokens one prefill may add to a turn"),
     ("max-queue", int, "requests that may wait for a lane before queue_full"),
@@ -65,6 +66,7 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("max-request-bytes", int, "largest request header; larger is payload_too_large"),
     ("log-format", str, "log rendering: auto (console on a TTY, else json), json, console"),
     ("log-level", str, "debug, info, warning, error"),
+    ("chat-template", str, "Jinja chat template file for chat; empty = the model's or Gemma-turn"),
 ]
 
 
@@ -103,4 +105,6 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
     cfg = WorkerConfig(**{k: v for k, v in vars(ns).items()})
     if cfg.lanes < 1 or cfg.ctx < cfg.lanes or cfg.batch < 1 or cfg.prefill_chunk < 1:
         raise SystemExit("skiff-worker: lanes, ctx, batch and prefill-chunk must be positive")
+    if cfg.chat_template and not os.path.isfile(cfg.chat_template):
+        raise SystemExit(f"skiff-worker: --chat-template {cfg.chat_template}: no such file")
     return cfg

@@ -29,6 +29,7 @@ _CODES: list[tuple[type[Exception], ErrorCode]] = [
     (rt.ContextOverflow, ErrorCode.CONTEXT_OVERFLOW),
     (rt.Cancelled, ErrorCode.CANCELLED),
     (rt.DeadlineExceeded, ErrorCode.DEADLINE_EXCEEDED),
+    (rt.Unsupported, ErrorCode.UNSUPPORTED),
     (rt.InternalFault, ErrorCode.INTERNAL),
 ]
 

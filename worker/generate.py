@@ -24,6 +24,7 @@ from .context import RequestCtx
 from .engine import SamplerSpec
 from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds
 from .runtime import InvalidArgument, RuntimeState, Session, Step, StepResult
+from .speculative import accept, lookup_draft
 
 
 class GenerateJob(Job):
@@ -42,6 +43,7 @@ class GenerateJob(Job):
         ignore_eos: bool,
         stream: bool,
         chunk: int,
+        lookup: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(ctx, [session])
         self.phase = PHASE_PREFILL  # PHASE_DECODE once the first token is out
@@ -65,6 +67,10 @@ class GenerateJob(Job):
         self._held = ""  # decoded text not yet emitted (possible stop prefix)
         self.t_start = 0.0
         self.t_first = 0.0
+        self.lookup = lookup  # (ngram, max_draft) for prompt-lookup speculation
+        self.drafts: list[int] = []
+        self.drafted = 0
+        self.accepted = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -85,57 +91,99 @@ class GenerateJob(Job):
         return False
 
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
-        assert self.session is not None
+        session = self.session
+        assert session is not None
         if self.next_token is not None:
-            return [Step(self.session, [self.next_token], True, self.spec)] if budget >= 1 else []
+            self.drafts = self._draft(rt, budget)
+            span = [self.next_token, *self.drafts]
+            if budget < len(span):
+                return []
+            return [Step(session, span, True, self.spec, all_rows=bool(self.drafts))]
         n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget, keep_last_whole=True)
         self.inflight = n
         if n == 0:
             return []
         last = self.done + n == len(self.tokens)
-        return [Step(self.session, self.tokens[self.done : self.done + n], last, self.spec)]
+        return [Step(session, self.tokens[self.done : self.done + n], last, self.spec)]
+
+    def _draft(self, rt: RuntimeState, budget: int) -> list[int]:
+        if self.lookup is None or self.session is None or self.next_token is None:
+            return []
+        ngram, max_draft = self.lookup
+        room = min(
+            max_draft,
+            budget - 1,
+            rt.ctx_per_lane - self.session.position - 1,
+            self.max_tokens - len(self.completion) - 1,
+        )
+        return lookup_draft([*self.session.tokens, self.next_token], ngram, room)
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        session = self.session
+        assert session is not None
         if self.next_token is None:
             self.done += self.inflight
             if self.done < len(self.tokens):
                 return False
             self.t_first = time.monotonic()
-        token = results[0].token
-        assert token is not None
-        return self._take(rt, token)
+        if not self.drafts:
+            token = results[0].token
+            assert token is not None
+            return self._take_all(rt, [token], session.position)
+        # Speculative step: the span [next, d1..dk] is in the KV cache.
+        rows = results[0].rows
+        assert rows is not None
+        start = session.position - len(rows)
+
+        def stop(tok: int) -> bool:
+            return tok in self.stop_tokens or (not self.ignore_eos and rt.engine.is_eog(tok))
+
+        tokens = accept(self.drafts, lambda i: rt.sample_row(session, self.spec, rows[i]), stop)
+        self.drafted += len(self.drafts)
+        self.accepted += len(tokens) - 1
+        if start + len(tokens) < session.position:
+            rt.trim(session.id, start + len(tokens))  # drop the rejected drafts
+        self.drafts = []
+        return self._take_all(rt, tokens, start + 1)
+
+    def _take_all(self, rt: RuntimeState, tokens: list[int], first_position: int) -> bool:
+        """Emit sampled tokens in order; on a stop, cut the KV cache to match."""
+        assert self.session is not None
+        for j, token in enumerate(tokens):
+            reason = self._take(rt, token, first_position + j)
+            if reason is not None:
+                if self.session.position > first_position + j:
+                    rt.trim(self.session.id, first_position + j)
+                self._finish(rt, reason)
+                return True
+        return False
 
     # -- one sampled token -----------------------------------------------------------
 
-    def _take(self, rt: RuntimeState, token: int) -> bool:
+    def _take(self, rt: RuntimeState, token: int, position: int) -> str | None:
+        """Show one sampled token; return a finish reason when generation ends."""
         assert self.session is not None
-        self.next_token = None  # the token fed this turn is in the KV cache now
+        self.next_token = None  # the token before this one is in the KV cache now
         if token in self.stop_tokens or (not self.ignore_eos and rt.engine.is_eog(token)):
-            self._finish(rt, "stop")
-            return True
+            return "stop"
         self.completion.append(token)
         self.next_token = token
         self.phase = PHASE_DECODE
         self._held += self._utf8.decode(rt.engine.piece(token))
         cut = self._stop_index(self._held)
         if cut is not None:
-            self._emit(token, self._held[:cut])
+            self._emit(token, self._held[:cut], position)
             self._held = ""
-            self._finish(rt, "stop")
-            return True
+            return "stop"
         keep = self._partial_stop_len(self._held)
         delta, self._held = (
             self._held[: len(self._held) - keep],
             self._held[len(self._held) - keep :],
         )
-        self._emit(token, delta)
-        if len(self.completion) >= self.max_tokens:
-            self._finish(rt, "length")
-            return True
-        if self.session.position + 1 > rt.ctx_per_lane:
-            self._finish(rt, "length")
-            return True
-        return False
+        self._emit(token, delta, position)
+        if len(self.completion) >= self.max_tokens or position + 1 > rt.ctx_per_lane:
+            return "length"
+        return None
 
     def _stop_index(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
@@ -151,13 +199,10 @@ class GenerateJob(Job):
                     break
         return best
 
-    def _emit(self, token: int, delta: str) -> None:
-        assert self.session is not None
+    def _emit(self, token: int, delta: str, position: int) -> None:
         self.text_parts.append(delta)
         if self.stream:
-            self.ctx.event(
-                {"event": "token", "token": token, "text": delta, "position": self.session.position}
-            )
+            self.ctx.event({"event": "token", "token": token, "text": delta, "position": position})
 
     # -- endings ------------------------------------------------------------------
 
@@ -183,6 +228,8 @@ class GenerateJob(Job):
                 "decode_ms": round((now - first) * 1000, 3),
             },
         }
+        if self.lookup is not None:
+            summary["speculative"] = {"drafted": self.drafted, "accepted": self.accepted}
         if self.stream:
             self.ctx.event({"done": True, "text": tail, **summary})
         else:

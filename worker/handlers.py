@@ -8,16 +8,18 @@ socket or llama.cpp directly beyond the engine's tokenizer.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protocol.envelope import Op
 
+from .chat import ChatJob, get_messages
 from .context import RequestCtx
 from .generate import GenerateJob
-from .jobs import AtomicBatchJob, BatchEntry, DecodeJob, PrefillJob, SessionOpJob
-from .runtime import SessionNotActive
+from .jobs import AtomicBatchJob, BatchEntry, DecodeJob, PrefillJob, SessionOpJob, VerifyJob
+from .runtime import SessionNotActive, Unsupported
 from .validate import (
     BadRequest,
     args_map,
@@ -112,6 +114,35 @@ def _entries_list(args: dict[str, Any], srv: Server) -> list[dict[str, Any]]:
     return requests
 
 
+def h_verify(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    args = args_map(header)
+    session = get_session(header)
+    tokens = get_tokens(args, "tokens", srv.engine.n_vocab, max_len=srv.cfg.budget)
+    job = VerifyJob(ctx, session, tokens, get_sampling(args), get_bool(args, "trim", True))
+    srv.sched.submit(job)
+
+
+def _speculative(args: dict[str, Any]) -> tuple[int, int] | None:
+    """``(ngram, max_draft)`` for prompt lookup, or None when off."""
+    raw = args.get("speculative")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadRequest("speculative must be a map")
+    mode = raw.get("mode")
+    if mode == "draft_model":
+        raise Unsupported("no draft model is configured on this worker")
+    if mode != "prompt_lookup":
+        raise BadRequest("speculative.mode must be 'prompt_lookup' or 'draft_model'")
+    unknown = sorted(set(raw) - {"mode", "max_draft", "ngram"})
+    if unknown:
+        raise BadRequest(f"speculative.{unknown[0]} is not a known field")
+    return (
+        get_int(raw, "ngram", default=3, lo=1, hi=16),
+        get_int(raw, "max_draft", default=8, lo=1, hi=64),
+    )
+
+
 def h_decode_batch(
     srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]
 ) -> None:
@@ -161,19 +192,24 @@ def h_iteration_batch(
 _ephemeral_ids = itertools.count(1)
 
 
-def h_generate(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
-    args = args_map(header)
+def _generate_session(header: dict[str, Any]) -> tuple[str, bool]:
+    """(session id, named): a named session, or a fresh ephemeral one."""
     named = header.get("session") is not None
-    session = get_session(header) if named else f"~gen-{next(_ephemeral_ids)}"
-    has_prompt, has_tokens = "prompt" in args, "tokens" in args
-    if has_prompt == has_tokens:
-        raise BadRequest("give exactly one of prompt or tokens")
+    return (get_session(header) if named else f"~gen-{next(_ephemeral_ids)}"), named
+
+
+def _generate_job(
+    srv: Server,
+    ctx: RequestCtx,
+    args: dict[str, Any],
+    session: tuple[str, bool],
+    prompt: str | list[int],
+    make: Callable[..., GenerateJob] = GenerateJob,
+    stop_tokens_extra: Sequence[int] = (),
+    stop_extra: Sequence[str] = (),
+) -> GenerateJob:
+    """The generation job ``generate`` and ``chat`` share, from the common args."""
     limit = srv.rt.ctx_per_lane
-    prompt: str | list[int] = (
-        get_str(args, "prompt", max_len=limit * 64)
-        if has_prompt
-        else get_tokens(args, "tokens", srv.engine.n_vocab, max_len=limit)
-    )
     stop = args.get("stop", [])
     if (
         not isinstance(stop, list)
@@ -186,19 +222,50 @@ def h_generate(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: li
         if "stop_tokens" in args
         else []
     )
-    job = GenerateJob(
+    return make(
         ctx,
-        session,
-        ephemeral=not named,
+        session[0],
+        ephemeral=not session[1],
         prompt=prompt,
         max_tokens=get_int(args, "max_tokens", default=256, lo=1, hi=limit),
         spec=get_sampling(args),
-        stop=stop,
-        stop_tokens=set(stop_tokens),
+        stop=[*stop, *(s for s in stop_extra if s not in stop)],
+        stop_tokens={*stop_tokens, *stop_tokens_extra},
         ignore_eos=get_bool(args, "ignore_eos", False),
         stream=get_bool(args, "stream", True),
         chunk=min(srv.cfg.prefill_chunk, srv.cfg.budget),
+        lookup=_speculative(args),
     )
+
+
+def h_generate(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    args = args_map(header)
+    session = _generate_session(header)
+    has_prompt, has_tokens = "prompt" in args, "tokens" in args
+    if has_prompt == has_tokens:
+        raise BadRequest("give exactly one of prompt or tokens")
+    limit = srv.rt.ctx_per_lane
+    prompt: str | list[int] = (
+        get_str(args, "prompt", max_len=limit * 64)
+        if has_prompt
+        else get_tokens(args, "tokens", srv.engine.n_vocab, max_len=limit)
+    )
+    srv.sched.submit(_generate_job(srv, ctx, args, session, prompt))
+
+
+def h_chat(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    args = args_map(header)
+    session = _generate_session(header)
+    if "prompt" in args or "tokens" in args:
+        raise BadRequest("chat takes messages, not prompt or tokens")
+    messages = get_messages(args, max_chars=srv.rt.ctx_per_lane * 64)
+    template = srv.chat
+    tokens = template.prompt_tokens(srv.engine, messages)
+    if not tokens:
+        raise BadRequest("messages render to an empty prompt")
+    end = [template.end_of_turn] if template.end_of_turn else []
+    make = functools.partial(ChatJob, template=template)
+    job = _generate_job(srv, ctx, args, session, tokens, make, template.stop_tokens, end)
     srv.sched.submit(job)
 
 
@@ -244,5 +311,7 @@ HANDLERS: dict[str, Handler] = {
     Op.ALIGN: h_align,
     Op.DROP: h_drop,
     Op.GENERATE: h_generate,
+    Op.CHAT: h_chat,
     Op.CANCEL: h_cancel,
+    Op.VERIFY: h_verify,
 }

@@ -31,6 +31,7 @@ from .runtime import (
     Step,
     StepResult,
 )
+from .speculative import accept
 
 PHASE_DECODE = 0
 PHASE_ATOMIC = 1
@@ -296,4 +297,61 @@ class SessionOpJob(Job):
         else:
             rt.drop(sid)
             self.ctx.reply({})
+        return True
+
+
+class VerifyJob(Job):
+    """Score a span ``[t0, d1..dk]`` in one forward; keep the agreeing drafts.
+
+    ``predicted[i]`` is the target's token after ``tokens[..i]``. Greedy
+    verification reports all k+1 predictions; a stateful sampler stops at the
+    first disagreement so its RNG and penalty state advance exactly as plain
+    decoding would have.
+    """
+
+    phase = PHASE_ATOMIC
+    atomic = True
+
+    def __init__(
+        self, ctx: RequestCtx, session: str, tokens: list[int], spec: SamplerSpec | None, trim: bool
+    ) -> None:
+        super().__init__(ctx, [session])
+        self.tokens = tokens
+        self.spec = spec
+        self.trim = trim
+        self.session: Session | None = None
+
+    def start(self, rt: RuntimeState) -> bool:
+        (self.session,) = rt.admit(self.sessions)
+        rt.ensure_room(self.session, len(self.tokens))
+        return False
+
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
+        assert self.session is not None
+        if len(self.tokens) > budget:
+            return []
+        return [Step(self.session, self.tokens, False, self.spec, all_rows=True)]
+
+    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        session = self.session
+        assert session is not None
+        rows = results[0].rows
+        assert rows is not None
+        start = session.position - len(rows)
+        drafts = self.tokens[1:]
+        if self.spec is None or self.spec.greedy:
+            predicted = [rt.sample_row(session, None, row) for row in rows]
+        else:
+            predicted = accept(
+                drafts, lambda i: rt.sample_row(session, self.spec, rows[i]), lambda _t: False
+            )
+        accepted = 0
+        while accepted < len(drafts) and predicted[accepted] == drafts[accepted]:
+            accepted += 1
+        if self.trim and start + 1 + accepted < session.position:
+            rt.trim(session.id, start + 1 + accepted)
+        self.ctx.reply({"predicted": predicted, "accepted": accepted, "position": session.position})
         return True

@@ -24,6 +24,7 @@ from protocol import codec, envelope
 from protocol.envelope import VERSION, ErrorCode
 
 from . import logs
+from .chat import ChatTemplate
 from .config import WorkerConfig
 from .context import RequestCtx
 from .engine import Engine
@@ -43,6 +44,7 @@ class Server:
         self.cfg = cfg
         self.engine = engine
         self.rt = RuntimeState(engine)
+        self.chat = ChatTemplate.load(cfg.chat_template, engine)
         self.sched = Scheduler(
             self.rt,
             SchedulerConfig(
@@ -226,6 +228,7 @@ class Server:
             "max_batch_tokens": self.cfg.budget,
             "prefill_chunk": self.cfg.prefill_chunk,
             "ops": sorted(HANDLERS),
+            "chat_template": self.chat.info(),
             "speech": False,
             "protocol": VERSION,
         }

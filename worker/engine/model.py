@@ -9,12 +9,13 @@ Choices that matter:
 - ``swa_full=True``: Gemma 3 uses sliding-window attention; a windowed cache
   forgets old cells, which would make ``trim`` to an early position
   impossible to re-decode exactly. The full cache costs little at 270M.
-- ``use_extra_bufts`` (``repack``): the CPU "extra buffer types" repack
-  weights for faster kernels. In a native build on an AMX CPU they include
-  the AMX path that faults on this machine; our wheel is built without AMX
-  (scripts/build_llama.py), so repacking is safe and on by default. It also
-  keeps our numerics identical to llama-cpp-python's high-level ``Llama``.
-  ``--repack 0`` turns it off (needed with a native AMX build).
+- ``use_extra_bufts=False`` (``--repack 0``, the default): the CPU "extra
+  buffer types" repack weights for tiled GEMM kernels that switch on with
+  batch size, so a token's logits would depend on how many rows shared its
+  forward. Without them every row goes through the same dot-product kernel:
+  a token scores the same alone, in ``decode_batch`` or inside a speculative
+  span, which is what makes speculation exact. It also avoids the AMX repack
+  path that faults on this CPU in a native build.
 - ``kv_unified`` only when lanes may use more than an equal share of the
   cells; otherwise each lane owns exactly ``n_ctx / lanes`` cells.
 """
@@ -61,7 +62,7 @@ class EngineConfig:
     n_batch: int = 512
     n_ubatch: int = 512
     n_threads: int = 2
-    repack: bool = True
+    repack: bool = False
 
 
 @dataclass(frozen=True)

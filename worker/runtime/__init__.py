@@ -12,6 +12,7 @@ from .errors import (
     QueueFull,
     RuntimeFault,
     SessionNotActive,
+    Unsupported,
 )
 from .lanes import LanePool, Session
 from .state import RuntimeState, Step, StepResult
@@ -33,4 +34,5 @@ __all__ = [
     "SessionNotActive",
     "Step",
     "StepResult",
+    "Unsupported",
 ]

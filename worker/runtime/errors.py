@@ -34,6 +34,10 @@ class ContextOverflow(RuntimeFault):
     """The tokens would not fit in the session's share of the KV cache."""
 
 
+class Unsupported(RuntimeFault):
+    """A valid request for something this worker is not set up to do."""
+
+
 class Cancelled(RuntimeFault):
     pass
 

@@ -44,12 +44,14 @@ class Step:
     sample: bool = False
     spec: SamplerSpec | None = None
     keep_logits: bool = False
+    all_rows: bool = False  # logits for every token (verify, speculation)
 
 
 @dataclass
 class StepResult:
     token: int | None = None
     logits: np.ndarray | None = None
+    rows: list[int] | None = None  # batch rows of every token (``all_rows``)
 
 
 class RuntimeState:
@@ -112,6 +114,15 @@ class RuntimeState:
                 f"its {self.ctx_per_lane} context cells"
             )
 
+    def sample_row(self, session: Session, spec: SamplerSpec | None, row: int) -> int:
+        """Sample from one row of the last forward with the session's sampler."""
+        if spec is None or spec.greedy:
+            token = greedy_token(self.engine, row)
+        else:
+            token = self.sampler_for(session, spec).sample(row)
+        session.last_token = token
+        return token
+
     def sampler_for(self, session: Session, spec: SamplerSpec) -> Sampler:
         """The session's chain, rebuilt only when its parameters change."""
         if session.sampler is None or session.sampler.spec != spec:
@@ -128,7 +139,12 @@ class RuntimeState:
         for step in steps:
             self.ensure_room(step.session, len(step.tokens))
         segments = [
-            Segment(s.session.lane, s.tokens, s.session.position, "last" if s.sample else "none")
+            Segment(
+                s.session.lane,
+                s.tokens,
+                s.session.position,
+                "all" if s.all_rows else "last" if s.sample else "none",
+            )
             for s in steps
         ]
         status = self.engine.decode(segments)
@@ -143,13 +159,11 @@ class RuntimeState:
             session.last_used = time.monotonic()
             self.tokens_evaluated += len(step.tokens)
             result = StepResult()
-            if step.sample:
+            if step.all_rows:
+                result.rows = [self.engine.output_index(index, k) for k in range(len(step.tokens))]
+            elif step.sample:
                 row = self.engine.output_index(index)
-                if step.spec is None or step.spec.greedy:
-                    result.token = greedy_token(self.engine, row)
-                else:
-                    result.token = self.sampler_for(session, step.spec).sample(row)
-                session.last_token = result.token
+                result.token = self.sample_row(session, step.spec, row)
                 if step.keep_logits:
                     result.logits = self.engine.logits_row(row).copy()
             results.append(result)

@@ -1,0 +1,134 @@
+"""verify and prompt-lookup speculation: exact acceptance, same output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from protocol import Client, SkiffError, frames
+from worker.speculative import accept, lookup_draft
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+PROMPT = f"Python code:\n{CODE}\nThe same code again:\n"
+LOOKUP = {"mode": "prompt_lookup", "max_draft": 8, "ngram": 3}
+# Batch shape (1 token vs a 9-token span) changes fp32 accumulation order, so
+# greedy tokens may only differ where the top-2 logits are this close.
+NEAR_TIE = 0.1
+
+
+def test_lookup_draft_proposes_what_followed_the_last_ngram() -> None:
+    history = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert lookup_draft(history, 3, 8) == [4, 5, 9, 1, 2, 3]
+    assert lookup_draft(history, 3, 2) == [4, 5]
+    assert lookup_draft([1, 2, 3], 3, 4) == []
+    assert lookup_draft([7, 8, 7, 8], 2, 4) == [7, 8]
+
+
+def test_accept_stops_at_first_disagreement() -> None:
+    calls: list[int] = []
+    target = [10, 11, 99, 13]
+
+    def sample(i: int) -> int:
+        calls.append(i)
+        return target[i]
+
+    assert accept([10, 11, 12], sample, lambda t: False) == [10, 11, 99]
+    assert calls == [0, 1, 2]  # nothing sampled past the mismatch
+    assert accept([10, 11, 99], lambda i: target[i], lambda t: False) == [10, 11, 99, 13]
+
+
+def _greedy(client: Client, session: str, prompt: list[int], n: int) -> list[int]:
+    out = [client.prefill_sampled(session, prompt)["token"]]
+    while len(out) < n:
+        out.append(client.decode(session, out[-1])["token"])
+    return out
+
+
+def test_verify_accepts_the_agreeing_prefix_and_trims(client: Client) -> None:
+    prompt = client.tokenize("The capital of France is")
+    ref = _greedy(client, "ref", prompt, 8)
+    t0 = client.prefill_sampled("v", prompt)["token"]
+    assert t0 == ref[0]
+    wrong = (ref[3] + 1) % 262144
+    reply = client.call("verify", "v", {"tokens": [t0, ref[1], ref[2], wrong, ref[4]]}).result
+    assert reply["predicted"][:3] == ref[1:4]
+    assert len(reply["predicted"]) == 5  # greedy reports every position
+    assert reply["accepted"] == 2
+    assert reply["position"] == len(prompt) + 3
+    # Continuing from the accepted position reproduces the reference exactly.
+    cont = [reply["predicted"][2]]
+    while len(cont) < 4:
+        cont.append(client.decode("v", cont[-1])["token"])
+    assert cont == ref[3:7]
+
+
+def test_verify_without_trim_keeps_the_span(client: Client) -> None:
+    t0 = client.prefill_sampled("nt", [2, 818, 5279])["token"]
+    reply = client.call("verify", "nt", {"tokens": [t0, 5, 6], "trim": False}).result
+    assert reply["position"] == 6
+
+
+def _tokens(client: Client, args: dict[str, Any]) -> dict[str, Any]:
+    return client.call("generate", args={**args, "stream": False}).result
+
+
+def _margin_at(client: Client, prompt: list[int], prefix: list[int]) -> float:
+    client.prefill("margin", prompt + prefix[:-1])
+    reply = client.decode("margin", prefix[-1], return_logits=True)
+    row = np.sort(frames.view(reply.result["logits"], reply.buffers)[0])
+    client.drop("margin")
+    return float(row[-1] - row[-2])
+
+
+@pytest.mark.parametrize("sampling", [None, {"temperature": 0.7, "seed": 1234}])
+def test_speculation_gives_the_same_tokens(client: Client, sampling: dict[str, Any] | None) -> None:
+    args: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}
+    if sampling:
+        args["sampling"] = sampling
+    plain = _tokens(client, args)
+    spec = _tokens(client, {**args, "speculative": LOOKUP})
+    assert spec["speculative"]["drafted"] > 0 and spec["speculative"]["accepted"] > 0
+    if plain["tokens"] == spec["tokens"]:
+        return
+    # Any divergence must sit on a near-tie of the target's logits.
+    i = next(
+        k for k, (a, b) in enumerate(zip(plain["tokens"], spec["tokens"], strict=True)) if a != b
+    )
+    if sampling is not None:
+        # Known limit: after a rejected draft is trimmed, later tokens attend
+        # over KV cells in a different order, so logits drift by float noise
+        # and a seeded draw near a CDF boundary can flip. Exact for a long run.
+        assert i >= 16, i
+        return
+    prompt = client.tokenize(PROMPT)
+    margin = _margin_at(client, prompt, plain["tokens"][:i] if i else prompt[-1:])
+    assert margin < NEAR_TIE, (i, margin)
+
+
+def test_speculative_stream_reports_counts_and_positions(client: Client) -> None:
+    events = [
+        r.header
+        for r in client.generate(
+            {"prompt": PROMPT, "max_tokens": 30, "ignore_eos": True, "speculative": LOOKUP}
+        )
+    ]
+    tokens = [e for e in events if e.get("event") == "token"]
+    assert len(tokens) == 30
+    positions = [e["position"] for e in tokens]
+    assert positions == list(range(positions[0], positions[0] + 30))
+    assert events[-1]["speculative"]["drafted"] >= events[-1]["speculative"]["accepted"] > 0
+
+
+def test_draft_model_mode_is_unsupported_without_a_draft(client: Client) -> None:
+    with pytest.raises(SkiffError) as info:
+        _tokens(
+            client,
+            {
+                "prompt": "x",
+                "max_tokens": 2,
+                "speculative": {"mode": "draft_model", "path": "/nope.gguf"},
+            },
+        )
+    assert info.value.code == "unsupported"
