@@ -47,6 +47,8 @@ class Op(StrEnum):
     CHAT = "chat"
     CANCEL = "cancel"
     VERIFY = "verify"
+    SIGNAL = "signal"
+    SIGNAL_WINDOW = "signal_window"
     TRIM = "trim"
     ALIGN = "align"
     DROP = "drop"

@@ -44,6 +44,7 @@ class GenerateJob(Job):
         stream: bool,
         chunk: int,
         lookup: tuple[int, int] | None = None,
+        top_logprobs: int | None = None,
     ) -> None:
         super().__init__(ctx, [session])
         self.phase = PHASE_PREFILL  # PHASE_DECODE once the first token is out
@@ -68,7 +69,10 @@ class GenerateJob(Job):
         self.t_start = 0.0
         self.t_first = 0.0
         self.lookup = lookup  # (ngram, max_draft) for prompt-lookup speculation
+        self.top_logprobs = top_logprobs  # None = no logprobs in token events
         self.drafts: list[int] = []
+        self._info: dict[str, Any] | None = None  # logprobs of the token being shown
+        self.logprobs: list[dict[str, Any]] = []
         self.drafted = 0
         self.accepted = 0
 
@@ -98,13 +102,23 @@ class GenerateJob(Job):
             span = [self.next_token, *self.drafts]
             if budget < len(span):
                 return []
-            return [Step(session, span, True, self.spec, all_rows=bool(self.drafts))]
+            return [
+                Step(
+                    session,
+                    span,
+                    True,
+                    self.spec,
+                    all_rows=bool(self.drafts),
+                    top_logprobs=self.top_logprobs,
+                )
+            ]
         n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget, keep_last_whole=True)
         self.inflight = n
         if n == 0:
             return []
         last = self.done + n == len(self.tokens)
-        return [Step(session, self.tokens[self.done : self.done + n], last, self.spec)]
+        part = self.tokens[self.done : self.done + n]
+        return [Step(session, part, last, self.spec, top_logprobs=self.top_logprobs)]
 
     def _draft(self, rt: RuntimeState, budget: int) -> list[int]:
         if self.lookup is None or self.session is None or self.next_token is None:
@@ -129,7 +143,7 @@ class GenerateJob(Job):
         if not self.drafts:
             token = results[0].token
             assert token is not None
-            return self._take_all(rt, [token], session.position)
+            return self._take_all(rt, [token], session.position, [results[0].logprobs])
         # Speculative step: the span [next, d1..dk] is in the KV cache.
         rows = results[0].rows
         assert rows is not None
@@ -138,18 +152,32 @@ class GenerateJob(Job):
         def stop(tok: int) -> bool:
             return tok in self.stop_tokens or (not self.ignore_eos and rt.engine.is_eog(tok))
 
-        tokens = accept(self.drafts, lambda i: rt.sample_row(session, self.spec, rows[i]), stop)
+        infos: list[dict[str, Any] | None] = []
+
+        def sample(i: int) -> int:
+            token = rt.sample_row(session, self.spec, rows[i], self.top_logprobs)
+            infos.append(session.last_logprobs if self.top_logprobs is not None else None)
+            return token
+
+        tokens = accept(self.drafts, sample, stop)
         self.drafted += len(self.drafts)
         self.accepted += len(tokens) - 1
         if start + len(tokens) < session.position:
             rt.trim(session.id, start + len(tokens))  # drop the rejected drafts
         self.drafts = []
-        return self._take_all(rt, tokens, start + 1)
+        return self._take_all(rt, tokens, start + 1, infos)
 
-    def _take_all(self, rt: RuntimeState, tokens: list[int], first_position: int) -> bool:
+    def _take_all(
+        self,
+        rt: RuntimeState,
+        tokens: list[int],
+        first_position: int,
+        infos: list[dict[str, Any] | None] | None = None,
+    ) -> bool:
         """Emit sampled tokens in order; on a stop, cut the KV cache to match."""
         assert self.session is not None
         for j, token in enumerate(tokens):
+            self._info = infos[j] if infos else None
             reason = self._take(rt, token, first_position + j)
             if reason is not None:
                 if self.session.position > first_position + j:
@@ -201,8 +229,13 @@ class GenerateJob(Job):
 
     def _emit(self, token: int, delta: str, position: int) -> None:
         self.text_parts.append(delta)
+        if self._info is not None:
+            self.logprobs.append(self._info)
         if self.stream:
-            self.ctx.event({"event": "token", "token": token, "text": delta, "position": position})
+            event = {"event": "token", "token": token, "text": delta, "position": position}
+            if self._info is not None:
+                event.update(self._info)
+            self.ctx.event(event)
 
     # -- endings ------------------------------------------------------------------
 
@@ -234,6 +267,8 @@ class GenerateJob(Job):
             self.ctx.event({"done": True, "text": tail, **summary})
         else:
             result = {"text": "".join(self.text_parts), "tokens": self.completion, **summary}
+            if self.top_logprobs is not None:
+                result["logprobs"] = self.logprobs
             self.ctx.reply_done(result)
 
     def on_cancel(self, rt: RuntimeState) -> None:

@@ -143,6 +143,15 @@ def _speculative(args: dict[str, Any]) -> tuple[int, int] | None:
     )
 
 
+def _logprobs(args: dict[str, Any]) -> int | None:
+    """How many top logprobs a token event carries; None = no logprobs."""
+    if not get_bool(args, "logprobs", False):
+        if "top_logprobs" in args:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        return None
+    return get_int(args, "top_logprobs", default=0, lo=0, hi=20)
+
+
 def h_decode_batch(
     srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]
 ) -> None:
@@ -235,6 +244,7 @@ def _generate_job(
         stream=get_bool(args, "stream", True),
         chunk=min(srv.cfg.prefill_chunk, srv.cfg.budget),
         lookup=_speculative(args),
+        top_logprobs=_logprobs(args),
     )
 
 
@@ -272,8 +282,10 @@ def h_chat(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[A
 def _session_op(srv: Server, ctx: RequestCtx, header: dict[str, Any], op: str) -> None:
     session = get_session(header)
     count = 0
-    if op != "drop":
+    if op in ("trim", "align"):
         count = get_int(args_map(header), "token_count", lo=0)
+    elif op == "signal_window":
+        count = get_int(args_map(header), "window_tokens", lo=1, hi=4096)
     if srv.rt.lanes.get(session) is None and not srv.sched.knows_session(session):
         raise SessionNotActive(f"session {session!r} is not active")
     srv.sched.submit(SessionOpJob(ctx, session, op, count))
@@ -289,6 +301,16 @@ def h_align(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[
 
 def h_drop(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
     _session_op(srv, ctx, header, "drop")
+
+
+def h_signal(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
+    _session_op(srv, ctx, header, "signal")
+
+
+def h_signal_window(
+    srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]
+) -> None:
+    _session_op(srv, ctx, header, "signal_window")
 
 
 def h_cancel(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list[Any]) -> None:
@@ -314,4 +336,6 @@ HANDLERS: dict[str, Handler] = {
     Op.CHAT: h_chat,
     Op.CANCEL: h_cancel,
     Op.VERIFY: h_verify,
+    Op.SIGNAL: h_signal,
+    Op.SIGNAL_WINDOW: h_signal_window,
 }

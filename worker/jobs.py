@@ -31,6 +31,7 @@ from .runtime import (
     Step,
     StepResult,
 )
+from .runtime.signals import window_summary
 from .speculative import accept
 
 PHASE_DECODE = 0
@@ -280,7 +281,8 @@ class AtomicBatchJob(Job):
 
 
 class SessionOpJob(Job):
-    """trim / align / drop: no forward, but ordered with the session's work."""
+    """trim / align / drop / signal / signal_window: no forward, but ordered
+    with the session's other work."""
 
     def __init__(self, ctx: RequestCtx, session: str, op: str, token_count: int = 0) -> None:
         super().__init__(ctx, [session])
@@ -294,6 +296,14 @@ class SessionOpJob(Job):
         elif self.op == "align":
             before, after = rt.align(sid, self.token_count)
             self.ctx.reply({"before": before, "after": after})
+        elif self.op == "signal":
+            session = rt.lanes.require(sid)
+            if not session.signals:
+                raise InvalidArgument(f"session {sid!r} has no sampled token yet")
+            self.ctx.reply(session.signals[-1].as_dict())
+        elif self.op == "signal_window":
+            session = rt.lanes.require(sid)
+            self.ctx.reply(window_summary(session.signals, self.token_count))
         else:
             rt.drop(sid)
             self.ctx.reply({})

@@ -9,11 +9,14 @@ nothing is admitted.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import LanesBusy, SessionNotActive
+
+SIGNAL_HISTORY = 4096
 
 
 @dataclass
@@ -27,6 +30,9 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     last_token: int | None = None
     pending: list[int] = field(default_factory=list)  # shown by generate, not yet fed
+    # Named sessions keep per-token signals (worker/signals.py) for `signal`.
+    signals: deque[Any] = field(default_factory=lambda: deque(maxlen=SIGNAL_HISTORY))
+    last_logprobs: dict[str, Any] | None = None
     last_logits: Any = None  # numpy copy of the last sampled row (signals)
 
 

@@ -29,6 +29,7 @@ from .errors import (
     PositionMismatch,
 )
 from .lanes import LanePool, Session
+from .signals import logprobs_of, signal_of
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Step:
     spec: SamplerSpec | None = None
     keep_logits: bool = False
     all_rows: bool = False  # logits for every token (verify, speculation)
+    top_logprobs: int | None = None  # logprobs of the sampled token (+ top k)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class StepResult:
     token: int | None = None
     logits: np.ndarray | None = None
     rows: list[int] | None = None  # batch rows of every token (``all_rows``)
+    logprobs: dict[str, Any] | None = None
 
 
 class RuntimeState:
@@ -114,13 +117,25 @@ class RuntimeState:
                 f"its {self.ctx_per_lane} context cells"
             )
 
-    def sample_row(self, session: Session, spec: SamplerSpec | None, row: int) -> int:
-        """Sample from one row of the last forward with the session's sampler."""
+    def sample_row(
+        self, session: Session, spec: SamplerSpec | None, row: int, top_logprobs: int | None = None
+    ) -> int:
+        """Sample from one row of the last forward with the session's sampler.
+
+        Named sessions record the token's confidence signals; ``top_logprobs``
+        (when not None) leaves the token's logprobs in ``session.last_logprobs``.
+        """
         if spec is None or spec.greedy:
             token = greedy_token(self.engine, row)
         else:
             token = self.sampler_for(session, spec).sample(row)
         session.last_token = token
+        if not session.ephemeral or top_logprobs is not None:
+            logits = self.engine.logits_row(row)
+            if not session.ephemeral:
+                session.signals.append(signal_of(logits, token))
+            if top_logprobs is not None:
+                session.last_logprobs = logprobs_of(logits, token, top_logprobs)
         return token
 
     def sampler_for(self, session: Session, spec: SamplerSpec) -> Sampler:
@@ -163,7 +178,9 @@ class RuntimeState:
                 result.rows = [self.engine.output_index(index, k) for k in range(len(step.tokens))]
             elif step.sample:
                 row = self.engine.output_index(index)
-                result.token = self.sample_row(session, step.spec, row)
+                result.token = self.sample_row(session, step.spec, row, step.top_logprobs)
+                if step.top_logprobs is not None:
+                    result.logprobs = session.last_logprobs
                 if step.keep_logits:
                     result.logits = self.engine.logits_row(row).copy()
             results.append(result)
