@@ -126,6 +126,10 @@ class Scheduler:
         for job, count in owners:
             part = results[offset : offset + count]
             offset += count
+            failed = next((r.error for r in part if r.error is not None), None)
+            if failed is not None:
+                self._finish(job, failed)
+                continue
             try:
                 finished = job.advance(self.rt, part)
             except RuntimeFault as exc:

@@ -3,69 +3,496 @@
 Greedy sampling does not go through llama.cpp at all: an ``argmax`` over the
 zero-copy logits row is exact (first maximum, like llama.cpp's greedy
 sampler) and avoids building a 262k-entry candidate array per token.
-Anything stochastic builds a llama.cpp chain once per session; the chain
-holds the RNG, so a seeded session reproduces its tokens across ops.
+Anything else builds a llama.cpp chain once per session; the chain holds the
+RNG, the penalty history and the grammar state, so a seeded session
+reproduces its tokens across ops.
+
+The chain mirrors llama.cpp's common sampler (common/sampling.cpp):
+``logit_bias`` (user biases, plus -inf on every end-of-generation token with
+``ignore_eos``), then the ``samplers`` in order, then ``dist(seed)``. The
+grammar (GBNF, or a JSON schema converted to GBNF) sits beside the chain as
+in llama.cpp: a token is sampled without it and, only when the grammar
+rejects it, sampled again with the grammar applied first. Differences:
+
+- ``temperature <= 0``: only the logit modifiers (bias, grammar, penalties,
+  dry) run, then ``greedy``; truncation samplers, xtc and mirostat are
+  skipped.
+- ``mirostat`` 1/2: penalties and dry (when enabled and listed in
+  ``samplers``) still run before ``temp`` + mirostat; llama.cpp drops them.
+- When no candidate survives (the grammar against ``logit_bias`` or
+  ``ignore_eos``) ``sample`` raises ``SamplerError`` instead of letting
+  llama.cpp's grammar abort the process.
+
+Only sampled tokens are accepted into the session's history (penalties, dry,
+grammar, mirostat). Prompt tokens are not, unless the caller feeds them with
+``Sampler.accept`` (penalties and dry only).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
+import math
+import os
+import re
+import tempfile
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import llama_cpp as ll
 import numpy as np
+from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from .model import Engine
 
 DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: pick a random seed
 
+SAMPLER_NAMES = (
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typ_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+)
+DEFAULT_SAMPLERS = SAMPLER_NAMES  # llama.cpp's common sampler order
+DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
+MAX_LOGIT_BIAS = 256
+
+
+class SamplerError(ValueError):
+    """The sampling parameters cannot be built into a chain (bad grammar,
+    token outside the vocabulary) or no token satisfies them."""
+
 
 @dataclass(frozen=True)
 class SamplerSpec:
-    """Validated sampling parameters; defaults are llama.cpp's."""
+    """Validated sampling parameters; defaults are llama.cpp's (common.h).
+
+    Hashable and comparable: lists are tuples, ``json_schema`` is canonical
+    JSON text. ``penalty_last_n`` / ``dry_penalty_last_n`` of -1 mean the
+    session's whole context.
+    """
 
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int = DEFAULT_SEED
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
+    samplers: tuple[str, ...] = DEFAULT_SAMPLERS
+    grammar: str | None = None
+    json_schema: str | None = None
+
+    @property
+    def penalties_active(self) -> bool:
+        return (
+            "penalties" in self.samplers
+            and self.penalty_last_n != 0
+            and (
+                self.repeat_penalty != 1.0
+                or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0
+            )
+        )
+
+    @property
+    def dry_active(self) -> bool:
+        return (
+            "dry" in self.samplers
+            and self.dry_multiplier != 0.0
+            and self.dry_base >= 1.0
+            and self.dry_penalty_last_n != 0
+        )
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None or self.json_schema is not None
+
+    @property
+    def modifies_logits(self) -> bool:
+        """Anything that can move the argmax of the raw logits."""
+        return bool(
+            self.logit_bias
+            or self.ignore_eos
+            or self.constrained
+            or self.penalties_active
+            or self.dry_active
+        )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        """True only when the token is exactly the argmax of the raw logits."""
+        if self.modifies_logits:
+            return False
+        if self.temperature <= 0.0:
+            return True
+        if self.mirostat != 0 or self.top_k != 1 or "top_k" not in self.samplers:
+            return False
+        # typical and xtc may drop the most likely token before top_k sees it
+        before = self.samplers[: self.samplers.index("top_k")]
+        if "typ_p" in before and self.typical_p < 1.0:
+            return False
+        return not ("xtc" in before and self._xtc_active)
+
+    @property
+    def _xtc_active(self) -> bool:
+        return self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5
 
 
 def greedy_token(engine: Engine, batch_row: int) -> int:
     return int(np.argmax(engine.logits_row(batch_row)))
 
 
+# -- grammars -----------------------------------------------------------------
+
+
+@lru_cache(maxsize=64)
+def schema_to_grammar(schema_json: str) -> str:
+    """GBNF for a JSON schema (JSON text); ``SamplerError`` when unsupported."""
+    try:
+        return str(json_schema_to_gbnf(schema_json))
+    except Exception as exc:  # the converter raises bare Exceptions
+        raise SamplerError(f"cannot convert the JSON schema to a grammar: {exc}") from exc
+
+
+_PARSE_ERROR = re.compile(r"error parsing grammar: (.*)")
+
+
+def _init_grammar(vocab: Any, text: str) -> tuple[Any, str]:
+    """``llama_sampler_init_grammar`` with llama.cpp's parse error captured.
+
+    The parser reports errors with ``fprintf(stderr)``; we point fd 2 at a
+    temporary file for the call so the reason reaches the client instead of
+    the worker's log.
+    """
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            ptr = ll.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if ptr:
+            return ptr, ""
+        tmp.seek(0)
+        out = tmp.read(4096).decode("utf-8", "replace")
+    match = _PARSE_ERROR.search(out)
+    if match:
+        return None, match.group(1).strip()
+    return None, "it has no 'root' rule or is left-recursive"
+
+
+def check_grammar(text: str) -> str | None:
+    """Why ``text`` is not a usable GBNF grammar, or None when it parses.
+
+    Parsed without a vocabulary, so ``<token>`` references cannot be
+    resolved here: grammars using them are only checked when the chain is
+    built (``SamplerError``).
+    """
+    ptr, why = _init_grammar(None, text)
+    if ptr:
+        ll.llama_sampler_free(ptr)
+        return None
+    if "<" in text:
+        return None
+    return why
+
+
+# -- per-engine data ------------------------------------------------------------
+
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
+
+class _EngineData:
+    """Shared by all samplers of one engine (one thread uses them)."""
+
+    def __init__(self, engine: Engine) -> None:
+        assert _TOKEN_DATA.itemsize == ctypes.sizeof(ll.llama_token_data)
+        n = engine.n_vocab
+        self.ids = np.arange(n, dtype=np.int32)
+        self.candidates = np.zeros(n, dtype=_TOKEN_DATA)
+        self.array = ll.llama_token_data_array(
+            self.candidates.ctypes.data_as(ll.llama_token_data_p), n, -1, False
+        )
+        self._eog: tuple[int, ...] | None = None
+        self._vocab = engine.vocab_handle
+        self._n = n
+
+    @property
+    def eog_tokens(self) -> tuple[int, ...]:
+        if self._eog is None:
+            is_eog = ll.llama_vocab_is_eog
+            vocab = self._vocab
+            self._eog = tuple(t for t in range(self._n) if is_eog(vocab, t))
+        return self._eog
+
+
+_engine_data: weakref.WeakKeyDictionary[Engine, _EngineData] = weakref.WeakKeyDictionary()
+
+
+def _data_for(engine: Engine) -> _EngineData:
+    data = _engine_data.get(engine)
+    if data is None:
+        data = _engine_data[engine] = _EngineData(engine)
+    return data
+
+
+def eog_tokens(engine: Engine) -> tuple[int, ...]:
+    """Every end-of-generation token of the engine's vocabulary (cached)."""
+    return _data_for(engine).eog_tokens
+
+
+# -- the chain ------------------------------------------------------------------
+
+
 class Sampler:
-    """A llama.cpp sampler chain bound to one session."""
+    """A llama.cpp sampler chain bound to one session.
+
+    Raises ``SamplerError`` when the spec cannot be built (invalid grammar,
+    a ``logit_bias`` token outside the vocabulary).
+    """
 
     def __init__(self, engine: Engine, spec: SamplerSpec) -> None:
         self.spec = spec
         self._engine = engine
+        self._data = _data_for(engine)
+        self._history: list[Any] = []  # penalties / dry: fed by ``accept``
+        self._grammar: Any = None  # beside the chain, as in llama.cpp's common sampler
+        self._one = ll.llama_token_data()
         params = ll.llama_sampler_chain_default_params()
         params.no_perf = True
-        self._chain = ll.llama_sampler_chain_init(params)
+        self._chain: Any = ll.llama_sampler_chain_init(params)
+        try:
+            self._build(spec)
+        except BaseException:
+            self.free()
+            raise
+
+    def _add(self, smpl: Any) -> Any:
+        if not smpl:
+            raise SamplerError("llama.cpp could not create a sampler")
+        ll.llama_sampler_chain_add(self._chain, smpl)
+        return smpl
+
+    def _build(self, spec: SamplerSpec) -> None:
+        engine = self._engine
+        n_vocab = engine.n_vocab
         if spec.greedy:
-            ll.llama_sampler_chain_add(self._chain, ll.llama_sampler_init_greedy())
+            self._add(ll.llama_sampler_init_greedy())
             return
-        if spec.top_k > 0:
-            ll.llama_sampler_chain_add(self._chain, ll.llama_sampler_init_top_k(spec.top_k))
-        if spec.top_p < 1.0:
-            ll.llama_sampler_chain_add(self._chain, ll.llama_sampler_init_top_p(spec.top_p, 1))
-        if spec.min_p > 0.0:
-            ll.llama_sampler_chain_add(self._chain, ll.llama_sampler_init_min_p(spec.min_p, 1))
-        ll.llama_sampler_chain_add(self._chain, ll.llama_sampler_init_temp(spec.temperature))
-        ll.llama_sampler_chain_add(self._chain, ll.llama_sampler_init_dist(spec.seed))
+        biases = list(spec.logit_bias)
+        for token, _ in biases:
+            if not 0 <= token < n_vocab:
+                raise SamplerError(
+                    f"sampling.logit_bias token {token} is outside the vocabulary [0, {n_vocab})"
+                )
+        if spec.ignore_eos:
+            biases.extend((t, float("-inf")) for t in self._data.eog_tokens)
+        if biases:
+            arr = (ll.llama_logit_bias * len(biases))()
+            for i, (token, bias) in enumerate(biases):
+                arr[i] = ll.llama_logit_bias(token, bias)
+            self._add(ll.llama_sampler_init_logit_bias(n_vocab, len(biases), arr))
+        if spec.constrained:
+            text = spec.grammar
+            if text is None:
+                assert spec.json_schema is not None
+                text = schema_to_grammar(spec.json_schema)
+            ptr, why = _init_grammar(engine.vocab_handle, text)
+            if not ptr:
+                field_name = "grammar" if spec.grammar is not None else "json_schema"
+                raise SamplerError(f"sampling.{field_name} is not a valid grammar: {why}")
+            self._grammar = ptr
+
+        seed = spec.seed
+        if spec.temperature <= 0.0:
+            for name in spec.samplers:
+                if name in ("penalties", "dry"):
+                    self._add_named(name, spec)
+            self._add(ll.llama_sampler_init_greedy())
+        elif spec.mirostat:
+            for name in spec.samplers:
+                if name in ("penalties", "dry"):
+                    self._add_named(name, spec)
+            self._add(ll.llama_sampler_init_temp(spec.temperature))
+            if spec.mirostat == 1:
+                self._add(
+                    ll.llama_sampler_init_mirostat(
+                        n_vocab, seed, spec.mirostat_tau, spec.mirostat_eta, 100
+                    )
+                )
+            else:
+                self._add(
+                    ll.llama_sampler_init_mirostat_v2(seed, spec.mirostat_tau, spec.mirostat_eta)
+                )
+        else:
+            for name in spec.samplers:
+                self._add_named(name, spec)
+            self._add(ll.llama_sampler_init_dist(seed))
+
+    def _add_named(self, name: str, spec: SamplerSpec) -> None:
+        """Add one sampler of the ``samplers`` list; exact no-ops are skipped."""
+        n_ctx = self._engine.n_ctx_per_seq
+        if name == "penalties":
+            if spec.penalties_active:
+                last_n = n_ctx if spec.penalty_last_n < 0 else spec.penalty_last_n
+                self._history.append(
+                    self._add(
+                        ll.llama_sampler_init_penalties(
+                            self._engine.n_vocab,
+                            last_n,
+                            spec.repeat_penalty,
+                            spec.frequency_penalty,
+                            spec.presence_penalty,
+                        )
+                    )
+                )
+        elif name == "dry":
+            if spec.dry_active:
+                last_n = n_ctx if spec.dry_penalty_last_n < 0 else spec.dry_penalty_last_n
+                raw = [b.encode("utf-8") for b in spec.dry_sequence_breakers]
+                breakers = (ctypes.c_char_p * max(len(raw), 1))(*raw)
+                self._history.append(
+                    self._add(
+                        ll.llama_sampler_init_dry(
+                            self._engine.vocab_handle,
+                            spec.dry_multiplier,
+                            spec.dry_base,
+                            spec.dry_allowed_length,
+                            last_n,
+                            breakers,
+                            len(raw),
+                        )
+                    )
+                )
+        elif name == "top_n_sigma":
+            if spec.top_n_sigma > 0.0:
+                self._add(ll.llama_sampler_init_top_n_sigma(spec.top_n_sigma))
+        elif name == "top_k":
+            if spec.top_k > 0:
+                self._add(ll.llama_sampler_init_top_k(spec.top_k))
+        elif name == "typ_p":
+            if spec.typical_p < 1.0:
+                self._add(ll.llama_sampler_init_typical(spec.typical_p, 1))
+        elif name == "top_p":
+            if spec.top_p < 1.0:
+                self._add(ll.llama_sampler_init_top_p(spec.top_p, 1))
+        elif name == "min_p":
+            if spec.min_p > 0.0:
+                self._add(ll.llama_sampler_init_min_p(spec.min_p, 1))
+        elif name == "xtc":
+            if spec._xtc_active:
+                self._add(
+                    ll.llama_sampler_init_xtc(
+                        spec.xtc_probability, spec.xtc_threshold, 1, spec.seed
+                    )
+                )
+        elif name == "temperature":
+            self._add(
+                ll.llama_sampler_init_temp_ext(
+                    spec.temperature, spec.dynatemp_range, spec.dynatemp_exponent
+                )
+            )
+        else:
+            raise SamplerError(f"sampling.samplers: unknown sampler {name!r}")
 
     def sample(self, batch_row: int) -> int:
-        """Sample from a row of the last batch; the chain accepts the token."""
+        """Sample from a row of the last batch; the chain accepts the token.
+
+        With a grammar, llama.cpp's common-sampler shortcut: sample without
+        it, and only when the grammar rejects that token apply the grammar
+        to the whole vocabulary and sample again (the expensive path).
+        """
         if self.spec.greedy:
             return greedy_token(self._engine, batch_row)
-        return int(ll.llama_sampler_sample(self._chain, self._engine.ctx_handle, batch_row))
+        logits = self._engine.logits_row(batch_row)
+        token = self._run(logits, grammar_first=False)
+        if self._grammar is not None and not self._grammar_allows(token, logits):
+            token = self._run(logits, grammar_first=True)
+        if self._grammar is not None:
+            ll.llama_sampler_accept(self._grammar, token)
+        ll.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _run(self, logits: np.ndarray, grammar_first: bool) -> int:
+        data = self._data
+        cand = data.candidates
+        cand["id"] = data.ids
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = data.array
+        arr.data = cand.ctypes.data_as(ll.llama_token_data_p)  # type: ignore[assignment]
+        arr.size = len(cand)
+        arr.selected = -1
+        arr.sorted = False
+        if grammar_first:
+            ll.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        index = int(arr.selected)
+        if not 0 <= index < arr.size:
+            raise SamplerError("the sampler chain selected no token")
+        chosen = arr.data[index]
+        if math.isnan(chosen.logit) or chosen.logit == float("-inf"):
+            # every candidate was excluded (grammar vs. logit_bias / ignore_eos);
+            # accepting it would abort inside llama.cpp's grammar.
+            raise SamplerError("no token satisfies the grammar and logit_bias of sampling")
+        return int(chosen.id)
+
+    def _grammar_allows(self, token: int, logits: np.ndarray) -> bool:
+        one = self._one
+        one.id = token  # type: ignore[assignment]
+        one.logit = float(logits[token])
+        one.p = 0.0
+        arr = ll.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+        ll.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        return bool(arr.data[0].logit != float("-inf"))
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Feed tokens the chain did not sample (e.g. a prompt) into the
+        penalty and dry history; the grammar and RNG are untouched."""
+        toks = [int(t) for t in tokens]
+        for smpl in self._history:
+            for token in toks:
+                ll.llama_sampler_accept(smpl, token)
 
     def free(self) -> None:
         if self._chain:
             ll.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            ll.llama_sampler_free(self._grammar)
+            self._grammar = None
+            self._history = []
+
+
+def canonical_schema(schema: dict[str, Any]) -> str:
+    """JSON text of a schema, stable for equal schemas."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))

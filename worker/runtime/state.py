@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import Engine, Sampler, SamplerSpec, Segment, greedy_token
+from ..engine.sampling import SamplerError
 from .errors import (
     ContextOverflow,
     EngineFault,
@@ -55,6 +56,7 @@ class StepResult:
     logits: np.ndarray | None = None
     rows: list[int] | None = None  # batch rows of every token (``all_rows``)
     logprobs: dict[str, Any] | None = None
+    error: InvalidArgument | None = None  # this step's sampling failed
 
 
 class RuntimeState:
@@ -128,7 +130,10 @@ class RuntimeState:
         if spec is None or spec.greedy:
             token = greedy_token(self.engine, row)
         else:
-            token = self.sampler_for(session, spec).sample(row)
+            try:
+                token = self.sampler_for(session, spec).sample(row)
+            except SamplerError as exc:
+                raise InvalidArgument(f"sampling: {exc}") from exc
         session.last_token = token
         if not session.ephemeral or top_logprobs is not None:
             logits = self.engine.logits_row(row)
@@ -143,7 +148,11 @@ class RuntimeState:
         if session.sampler is None or session.sampler.spec != spec:
             if session.sampler is not None:
                 session.sampler.free()
-            session.sampler = Sampler(self.engine, spec)
+                session.sampler = None
+            try:
+                session.sampler = Sampler(self.engine, spec)
+            except SamplerError as exc:
+                raise InvalidArgument(f"sampling: {exc}") from exc
         sampler: Sampler = session.sampler
         return sampler
 
@@ -166,27 +175,39 @@ class RuntimeState:
         self.forwards += 1
         if not status.ok:
             self._reconcile_after_failure(steps, status.describe())
-        results: list[StepResult] = []
-        for index, step in enumerate(steps):
+        # Account for every step first: sampling one may fail (a grammar with
+        # no allowed token) and must not leave the others' positions behind.
+        for step in steps:
             session = step.session
             session.position += len(step.tokens)
             session.tokens.extend(step.tokens)
             session.last_used = time.monotonic()
             self.tokens_evaluated += len(step.tokens)
+        results: list[StepResult] = []
+        for index, step in enumerate(steps):
+            session = step.session
             result = StepResult()
-            if step.all_rows:
-                result.rows = [self.engine.output_index(index, k) for k in range(len(step.tokens))]
-            elif step.sample:
-                row = self.engine.output_index(index)
-                result.token = self.sample_row(session, step.spec, row, step.top_logprobs)
-                if step.top_logprobs is not None:
-                    result.logprobs = session.last_logprobs
-                if step.keep_logits:
-                    result.logits = self.engine.logits_row(row).copy()
+            try:
+                self._sample_step(index, step, result)
+            except InvalidArgument as exc:
+                result.error = exc
             results.append(result)
         for step in steps:
             self.check_position(step.session)
         return results
+
+    def _sample_step(self, index: int, step: Step, result: StepResult) -> None:
+        """Fill one step's result: its rows (``all_rows``) or its sampled token."""
+        session = step.session
+        if step.all_rows:
+            result.rows = [self.engine.output_index(index, k) for k in range(len(step.tokens))]
+        elif step.sample:
+            row = self.engine.output_index(index)
+            result.token = self.sample_row(session, step.spec, row, step.top_logprobs)
+            if step.top_logprobs is not None:
+                result.logprobs = session.last_logprobs
+            if step.keep_logits:
+                result.logits = self.engine.logits_row(row).copy()
 
     def _reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None:
         advanced: dict[str, int] = {}
