@@ -37,6 +37,7 @@ class SchedulerStats:
         self.occupancy = [0] * len(_BUCKETS)
         self._window: deque[tuple[float, int, int]] = deque()
         self._turn_s_total = 0.0
+        self._recent_forwards: deque[float] = deque(maxlen=1024)
         self._queue_wait_s = 0.0
         self._queue_waits = 0
 
@@ -45,6 +46,7 @@ class SchedulerStats:
         total = sum(len(s.tokens) for s in steps)
         self.forwards += 1
         self._turn_s_total += seconds
+        self._recent_forwards.append(seconds)
         self.decode_steps += decode
         if decode > 1:
             self.coalesced_steps += decode
@@ -64,6 +66,21 @@ class SchedulerStats:
     def mean_turn_ms(self) -> float:
         return 1000 * self._turn_s_total / self.forwards if self.forwards else 50.0
 
+    def _forward_percentiles(self) -> dict[str, float]:
+        """p50/p99/max of the last 1024 forwards: how long a ping may wait."""
+        if not self._recent_forwards:
+            return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+        ordered = sorted(self._recent_forwards)
+
+        def pick(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+        return {
+            "p50": round(pick(0.5) * 1000, 3),
+            "p99": round(pick(0.99) * 1000, 3),
+            "max": round(ordered[-1] * 1000, 3),
+        }
+
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         recent = [w for w in self._window if now - w[0] <= WINDOW_S]
@@ -75,6 +92,7 @@ class SchedulerStats:
             "expired": self.expired,
             "forwards": self.forwards,
             "mean_forward_ms": round(self.mean_turn_ms(), 3),
+            "forward_ms": self._forward_percentiles(),
             "mean_queue_ms": round(1000 * self._queue_wait_s / max(1, self._queue_waits), 3),
             "tokens_per_s": {
                 "prefill": round(sum(w[1] for w in recent) / span, 2),
