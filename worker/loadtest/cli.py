@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="file: one prompt per line, or JSONL with 'prompt'")
     p.add_argument("--temperature", type=float, help="sample at this temperature (default greedy)")
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals and sampling")
+    p.add_argument(
+        "--stagger-s", type=float, default=0.0, help="closed loop: start user u at u * this"
+    )
     p.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
     p.add_argument("--plot", dest="plot_path", help="write latency CDF + throughput PNG here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -82,6 +85,7 @@ def config_from_args(ns: argparse.Namespace) -> LoadConfig:
         sampling=sampling,
         seed=ns.seed,
         progress=not ns.no_progress,
+        stagger_s=ns.stagger_s,
     )
 
 

@@ -43,6 +43,7 @@ class LoadConfig:
     sampling: dict[str, Any] | None = None  # None = greedy
     seed: int = 0
     progress: bool = False
+    stagger_s: float = 0.0  # closed loop: user u starts u * stagger_s after the first
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -187,8 +188,10 @@ async def run_load_async(cfg: LoadConfig) -> dict[str, Any]:
         if cfg.concurrency is not None:
             issued = 0
 
-            async def user() -> None:
+            async def user(u: int) -> None:
                 nonlocal issued
+                if cfg.stagger_s > 0:
+                    await asyncio.sleep(u * cfg.stagger_s)
                 while True:
                     if cfg.requests is not None and issued >= cfg.requests:
                         return
@@ -198,7 +201,7 @@ async def run_load_async(cfg: LoadConfig) -> dict[str, Any]:
                     issued += 1
                     finished(await start(i, t0))
 
-            await asyncio.gather(*(user() for _ in range(cfg.concurrency)))
+            await asyncio.gather(*(user(u) for u in range(cfg.concurrency)))
         else:
             assert cfg.rate is not None
             arrivals = poisson_arrivals(cfg.rate, cfg.requests, cfg.duration_s, cfg.seed)
