@@ -203,6 +203,25 @@ class Client(_Ops):
         self._sock.send_multipart(_frames(header, buffers), copy=False)
         return req_id
 
+    def wait_ready(self, timeout_s: float = 60.0, alive: Callable[[], bool] | None = None) -> None:
+        """Ping until the worker answers (it may still be loading its model).
+
+        Raises ``SkiffError("timeout")`` after ``timeout_s``, or at once when
+        ``alive()`` says the worker process has exited.
+        """
+        deadline = time.monotonic() + timeout_s
+        saved, self.timeout_ms = self.timeout_ms, 500
+        try:
+            while True:
+                try:
+                    self.ping()
+                    return
+                except SkiffError:
+                    if (alive is not None and not alive()) or time.monotonic() > deadline:
+                        raise SkiffError("timeout", "worker did not answer ping") from None
+        finally:
+            self.timeout_ms = saved
+
     def send_raw(self, frames: Sequence[Any]) -> None:
         """Send frames exactly as given (tests use this for malformed input)."""
         self._sock.send_multipart(list(frames))

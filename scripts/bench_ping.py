@@ -23,7 +23,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from protocol import Client, SkiffError, codec, envelope  # noqa: E402
+from protocol import Client, codec, envelope  # noqa: E402
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -78,13 +78,8 @@ def main() -> None:
             [sys.executable, "-m", "worker.cli", "--bind", ep, "--log-level", "warning"], cwd=ROOT
         )
         try:
-            with Client(ep, timeout_ms=500) as client:
-                for _ in range(240):
-                    try:
-                        client.ping()
-                        break
-                    except SkiffError:
-                        time.sleep(0.25)
+            with Client(ep) as client:
+                client.wait_ready(60, alive=lambda: proc.poll() is None)
             skiff = percentiles(time_pings(ep, args.n))
         finally:
             proc.terminate()

@@ -17,13 +17,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from protocol import Client, SkiffError  # noqa: E402
+from protocol import Client  # noqa: E402
 
 CODE = """def load(path):
     with open(path) as handle:
@@ -102,12 +101,7 @@ def main() -> None:
         )
         try:
             with Client(ep, timeout_ms=600_000) as client:
-                for _ in range(240):
-                    try:
-                        client.ping()
-                        break
-                    except SkiffError:
-                        time.sleep(0.25)
+                client.wait_ready(60, alive=lambda: proc.poll() is None)
                 run(client, 8, None)  # warm-up
                 plain_rates, spec_rates, same = [], [], True
                 divergence, margin = "", 0.0

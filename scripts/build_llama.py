@@ -107,6 +107,10 @@ def build(wheel_dir: Path, args: str) -> Path:
     return wheels[-1]
 
 
+def pip_install(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True)
+
+
 def main() -> None:
     args = cmake_args()
     key = hashlib.sha256(f"{VERSION} {args}".encode()).hexdigest()[:12]
@@ -116,34 +120,9 @@ def main() -> None:
     wheel_dir = cache_dir() / "wheels" / key
     wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"))
     wheel = wheels[-1] if wheels else build(wheel_dir, args)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--force-reinstall",
-            str(wheel),
-        ],
-        check=True,
-    )
-    # llama-cpp-python's runtime dependencies (installed without --no-deps).
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "typing-extensions",
-            "numpy",
-            "diskcache",
-            "jinja2",
-        ],
-        check=True,
-    )
+    pip_install("--no-deps", "--force-reinstall", str(wheel))
+    # llama-cpp-python's runtime dependencies (the wheel went in without them).
+    pip_install("typing-extensions", "numpy", "diskcache", "jinja2")
     for old in Path(sys.prefix).glob(".skiff-llama-*"):
         old.unlink()
     marker.touch()

@@ -20,17 +20,6 @@ sys.path.insert(0, str(ROOT))
 from protocol import Client, SkiffError  # noqa: E402
 
 
-def wait_ready(client: Client, proc: subprocess.Popen[bytes], seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            client.ping()
-            return
-        except SkiffError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("demo: the worker did not start") from None
-
-
 def stream(client: Client, session: str, prompt: str, n_tokens: int) -> None:
     """prefill_sampled, then decode one token at a time, printing text deltas."""
     tokens = client.tokenize(prompt)
@@ -84,7 +73,10 @@ def main() -> int:
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         try:
             with Client(endpoint, timeout_ms=60_000) as client:
-                wait_ready(client, proc)
+                try:
+                    client.wait_ready(120, alive=lambda: proc.poll() is None)
+                except SkiffError:
+                    raise SystemExit("demo: the worker did not start") from None
                 info = client.info()
                 print(
                     f"skiff worker up: {info['model']['name']} · {info['lanes']} lanes · "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,16 +45,12 @@ def start_worker(
         stderr=subprocess.STDOUT,
         env={**os.environ},
     )
-    deadline = time.monotonic() + 60
-    with Client(endpoint, timeout_ms=500) as client:
-        while True:
-            try:
-                client.ping()
-                break
-            except SkiffError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    raise RuntimeError(f"worker did not start:\n{log_path.read_text()}") from None
+    with Client(endpoint) as client:
+        try:
+            client.wait_ready(60, alive=lambda: proc.poll() is None)
+        except SkiffError:
+            proc.kill()
+            raise RuntimeError(f"worker did not start:\n{log_path.read_text()}") from None
     return proc, endpoint, log_path
 
 
