@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
+from conftest import start_worker, stop_worker
 from protocol import Client, SkiffError, frames
 from worker.speculative import accept, lookup_draft
 
@@ -132,3 +134,59 @@ def test_draft_model_mode_is_unsupported_without_a_draft(client: Client) -> None
             },
         )
     assert info.value.code == "unsupported"
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A worker whose draft model is the target itself: every greedy draft agrees."""
+    tmp = tmp_path_factory.mktemp("draft")
+    proc, endpoint, _ = start_worker(
+        tmp, "--lanes", "2", "--ctx", "2048", "--draft-model", "default", name="draft"
+    )
+    yield endpoint
+    stop_worker(proc)
+
+
+def test_draft_model_speculation_matches_plain(drafted: str) -> None:
+    with Client(drafted) as c:
+        assert c.info()["draft_model"].endswith(".gguf")
+        args = {"prompt": "The history of the Roman Empire", "max_tokens": 24, "ignore_eos": True}
+        plain = _tokens(c, args)
+        spec = _tokens(c, {**args, "speculative": {"mode": "draft_model", "max_draft": 4}})
+        assert spec["speculative"]["drafted"] > 0
+        # Same weights draft and verify: nearly every draft is accepted.
+        assert spec["speculative"]["accepted"] >= spec["speculative"]["drafted"] // 2
+        if plain["tokens"] != spec["tokens"]:
+            i = next(
+                k
+                for k, (a, b) in enumerate(zip(plain["tokens"], spec["tokens"], strict=True))
+                if a != b
+            )
+            prompt = c.tokenize(args["prompt"])
+            assert i > 0 and _margin_at(c, prompt, plain["tokens"][:i]) < NEAR_TIE
+        with pytest.raises(SkiffError) as info:
+            _tokens(c, {**args, "speculative": {"mode": "draft_model", "path": "/other.gguf"}})
+        assert info.value.code == "unsupported"
+        # A named session keeps drafting correctly across turns and trims.
+        c.call(
+            "generate",
+            "multi",
+            {
+                "prompt": "One, two,",
+                "max_tokens": 6,
+                "stream": False,
+                "speculative": {"mode": "draft_model"},
+            },
+        )
+        c.trim("multi", 3)
+        again = c.call(
+            "generate",
+            "multi",
+            {
+                "prompt": " three,",
+                "max_tokens": 6,
+                "stream": False,
+                "speculative": {"mode": "draft_model"},
+            },
+        ).result
+        assert again["usage"]["completion_tokens"] == 6

@@ -12,12 +12,14 @@ from . import config, logs
 from .engine import Engine, EngineConfig
 from .models import resolve_model
 from .server import Server
+from .speculative import DraftModel
 
 
-def build_engine(cfg: config.WorkerConfig) -> Engine:
+def build_engine(cfg: config.WorkerConfig, model: str | None = None) -> Engine:
+    """The target engine, or with ``model`` a draft engine with the same lanes."""
     return Engine(
         EngineConfig(
-            model_path=str(resolve_model(cfg.model)),
+            model_path=str(resolve_model(model or cfg.model)),
             n_ctx=cfg.ctx,
             n_seq=cfg.lanes,
             n_ctx_per_seq=cfg.n_ctx_per_lane,
@@ -41,12 +43,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_fd_limit()
     logs.configure(cfg.log_format, cfg.log_level)
     log = logs.get_logger("skiff.cli")
+    draft: DraftModel | None = None
     try:
         engine = build_engine(cfg)
+        if cfg.draft_model:
+            path = str(resolve_model(cfg.draft_model))
+            draft = DraftModel(build_engine(cfg, cfg.draft_model), path)
     except Exception as exc:
         log.error("startup_failed", error=str(exc))
         return 1
-    server = Server(cfg, engine)
+    server = Server(cfg, engine, draft=draft)
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
         log.info("signal", signal=signal.Signals(signum).name)
@@ -59,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         server.close()
         engine.close()
+        if draft is not None:
+            draft.engine.close()
     return 0
 
 

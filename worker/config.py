@@ -34,6 +34,7 @@ class WorkerConfig:
     log_format: str = "auto"
     log_level: str = "info"
     chat_template: str = ""  # "" = the model's own, else the Gemma-turn fallback
+    draft_model: str = ""  # "" = no draft model; a GGUF path or "default"
 
     @property
     def n_threads(self) -> int:
@@ -64,6 +65,7 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),
     ("session-idle-s", float, "drop named sessions unused this long (frees lanes of gone peers)"),
     ("max-request-bytes", int, "largest request header; larger is payload_too_large"),
+    ("draft-model", str, "GGUF (or 'default') drafting for speculative.mode=draft_model"),
     ("log-format", str, "log rendering: auto (console on a TTY, else json), json, console"),
     ("log-level", str, "debug, info, warning, error"),
     ("chat-template", str, "Jinja chat template file for chat; empty = the model's or Gemma-turn"),

@@ -24,7 +24,7 @@ from .context import RequestCtx
 from .engine import SamplerSpec
 from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds
 from .runtime import InvalidArgument, RuntimeState, Session, Step, StepResult
-from .speculative import accept, lookup_draft
+from .speculative import Drafter, accept
 
 
 class GenerateJob(Job):
@@ -43,7 +43,7 @@ class GenerateJob(Job):
         ignore_eos: bool,
         stream: bool,
         chunk: int,
-        lookup: tuple[int, int] | None = None,
+        drafter: Drafter | None = None,
         top_logprobs: int | None = None,
     ) -> None:
         super().__init__(ctx, [session])
@@ -68,7 +68,7 @@ class GenerateJob(Job):
         self._held = ""  # decoded text not yet emitted (possible stop prefix)
         self.t_start = 0.0
         self.t_first = 0.0
-        self.lookup = lookup  # (ngram, max_draft) for prompt-lookup speculation
+        self.drafter = drafter  # speculative decoding (prompt lookup or draft model)
         self.top_logprobs = top_logprobs  # None = no logprobs in token events
         self.drafts: list[int] = []
         self._info: dict[str, Any] | None = None  # logprobs of the token being shown
@@ -121,16 +121,14 @@ class GenerateJob(Job):
         return [Step(session, part, last, self.spec, top_logprobs=self.top_logprobs)]
 
     def _draft(self, rt: RuntimeState, budget: int) -> list[int]:
-        if self.lookup is None or self.session is None or self.next_token is None:
+        if self.drafter is None or self.session is None or self.next_token is None:
             return []
-        ngram, max_draft = self.lookup
         room = min(
-            max_draft,
             budget - 1,
             rt.ctx_per_lane - self.session.position - 1,
             self.max_tokens - len(self.completion) - 1,
         )
-        return lookup_draft([*self.session.tokens, self.next_token], ngram, room)
+        return self.drafter.draft(self.session, self.next_token, room)
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         session = self.session
@@ -261,7 +259,7 @@ class GenerateJob(Job):
                 "decode_ms": round((now - first) * 1000, 3),
             },
         }
-        if self.lookup is not None:
+        if self.drafter is not None:
             summary["speculative"] = {"drafted": self.drafted, "accepted": self.accepted}
         if self.stream:
             self.ctx.event({"done": True, "text": tail, **summary})

@@ -20,6 +20,7 @@ from .context import RequestCtx
 from .generate import GenerateJob
 from .jobs import AtomicBatchJob, BatchEntry, DecodeJob, PrefillJob, SessionOpJob, VerifyJob
 from .runtime import SessionNotActive, Unsupported
+from .speculative import Drafter, PromptLookup
 from .validate import (
     BadRequest,
     args_map,
@@ -122,25 +123,31 @@ def h_verify(srv: Server, ctx: RequestCtx, header: dict[str, Any], buffers: list
     srv.sched.submit(job)
 
 
-def _speculative(args: dict[str, Any]) -> tuple[int, int] | None:
-    """``(ngram, max_draft)`` for prompt lookup, or None when off."""
+def _speculative(srv: Server, args: dict[str, Any]) -> Drafter | None:
+    """The drafter a generation asked for, or None when speculation is off."""
     raw = args.get("speculative")
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise BadRequest("speculative must be a map")
     mode = raw.get("mode")
-    if mode == "draft_model":
-        raise Unsupported("no draft model is configured on this worker")
-    if mode != "prompt_lookup":
+    known = (
+        {"mode", "max_draft", "ngram"} if mode == "prompt_lookup" else {"mode", "max_draft", "path"}
+    )
+    if mode not in ("prompt_lookup", "draft_model"):
         raise BadRequest("speculative.mode must be 'prompt_lookup' or 'draft_model'")
-    unknown = sorted(set(raw) - {"mode", "max_draft", "ngram"})
+    unknown = sorted(set(raw) - known)
     if unknown:
         raise BadRequest(f"speculative.{unknown[0]} is not a known field")
-    return (
-        get_int(raw, "ngram", default=3, lo=1, hi=16),
-        get_int(raw, "max_draft", default=8, lo=1, hi=64),
-    )
+    max_draft = get_int(raw, "max_draft", default=8, lo=1, hi=64)
+    if mode == "prompt_lookup":
+        return PromptLookup(get_int(raw, "ngram", default=3, lo=1, hi=16), max_draft)
+    if srv.draft is None:
+        raise Unsupported("no draft model is configured on this worker (--draft-model)")
+    path = raw.get("path")
+    if path is not None and path != srv.draft.path:
+        raise Unsupported(f"this worker's draft model is {srv.draft.path}, not {path}")
+    return srv.draft.with_max(max_draft)
 
 
 def _logprobs(args: dict[str, Any]) -> int | None:
@@ -243,7 +250,7 @@ def _generate_job(
         ignore_eos=get_bool(args, "ignore_eos", False),
         stream=get_bool(args, "stream", True),
         chunk=min(srv.cfg.prefill_chunk, srv.cfg.budget),
-        lookup=_speculative(args),
+        drafter=_speculative(srv, args),
         top_logprobs=_logprobs(args),
     )
 

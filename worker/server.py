@@ -31,6 +31,7 @@ from .engine import Engine
 from .handlers import HANDLERS
 from .runtime import RuntimeFault, RuntimeState
 from .scheduler import Scheduler, SchedulerConfig
+from .speculative import DraftModel
 
 _log = logs.get_logger("skiff.server")
 _DRAIN_MAX = 256  # messages handled per pass before the model gets a turn
@@ -39,10 +40,15 @@ _IDLE_POLL_MS = 100
 
 class Server:
     def __init__(
-        self, cfg: WorkerConfig, engine: Engine, context: zmq.Context[Any] | None = None
+        self,
+        cfg: WorkerConfig,
+        engine: Engine,
+        context: zmq.Context[Any] | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.cfg = cfg
         self.engine = engine
+        self.draft = draft  # speculative.mode = "draft_model"
         self.rt = RuntimeState(engine)
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
         self.sched = Scheduler(
@@ -230,6 +236,7 @@ class Server:
             "ops": sorted(HANDLERS),
             "chat_template": self.chat.info(),
             "speech": False,
+            "draft_model": self.draft.path if self.draft else None,
             "protocol": VERSION,
         }
 
