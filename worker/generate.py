@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from .context import RequestCtx
-from .engine import SamplerSpec
+from .engine import ROW_INVARIANT_ROWS, SamplerSpec
 from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds
 from .runtime import InvalidArgument, RuntimeState, Session, Step, StepResult
 from .speculative import Drafter, accept
@@ -123,7 +123,10 @@ class GenerateJob(Job):
     def _draft(self, rt: RuntimeState, budget: int) -> list[int]:
         if self.drafter is None or self.session is None or self.next_token is None:
             return []
+        # A span of at most ROW_INVARIANT_ROWS rows scores each token exactly
+        # as plain decoding would, so speculation never changes the output.
         room = min(
+            ROW_INVARIANT_ROWS - 1,
             budget - 1,
             rt.ctx_per_lane - self.session.position - 1,
             self.max_tokens - len(self.completion) - 1,
