@@ -99,5 +99,7 @@ class SchedulerStats:
                 "decode": round(sum(w[2] for w in recent) / span, 2),
             },
             "decode_coalescing_rate": round(self.coalesced_steps / max(1, self.decode_steps), 4),
+            "decode_steps": self.decode_steps,
+            "coalesced_decode_steps": self.coalesced_steps,
             "batch_occupancy": {str(b): n for b, n in zip(_BUCKETS, self.occupancy, strict=True)},
         }
