@@ -98,10 +98,10 @@ class GenerateJob(Job):
         session = self.session
         assert session is not None
         if self.next_token is not None:
-            self.drafts = self._draft(rt, budget)
-            span = [self.next_token, *self.drafts]
-            if budget < len(span):
+            if budget < 1:
                 return []
+            self.drafts = self._draft(rt, budget)  # sized to fit the budget
+            span = [self.next_token, *self.drafts]
             return [
                 Step(
                     session,

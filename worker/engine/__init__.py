@@ -2,7 +2,7 @@
 
 from .batch import OutputMode, Segment
 from .model import ROW_INVARIANT_ROWS, DecodeStatus, Engine, EngineConfig, EngineError
-from .sampling import DEFAULT_SEED, Sampler, SamplerSpec, greedy_token
+from .sampling import DEFAULT_SEED, Sampler, SamplerError, SamplerSpec, greedy_token
 
 __all__ = [
     "DEFAULT_SEED",
@@ -13,6 +13,7 @@ __all__ = [
     "EngineError",
     "OutputMode",
     "Sampler",
+    "SamplerError",
     "SamplerSpec",
     "Segment",
     "greedy_token",

@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import Engine, Sampler, SamplerSpec, Segment, greedy_token
-from ..engine.sampling import SamplerError
+from ..engine import Engine, Sampler, SamplerError, SamplerSpec, Segment, greedy_token
 from .errors import (
     ContextOverflow,
     EngineFault,
