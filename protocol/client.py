@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import codec, envelope
+from . import codec, envelope, sockets
 
 
 class SkiffError(Exception):
@@ -171,11 +171,10 @@ class Client(_Ops):
         endpoint: str,
         timeout_ms: int = 120_000,
         context: zmq.Context[Any] | None = None,
+        options: sockets.SocketOptions | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, options)
         self.timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._stash: dict[int, deque[Reply]] = {}
@@ -297,11 +296,10 @@ class AsyncClient(_Ops):
         endpoint: str,
         timeout_ms: int = 120_000,
         context: zmq.asyncio.Context | None = None,
+        options: sockets.SocketOptions | None = None,
     ) -> None:
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock = sockets.dealer(self._ctx, endpoint, options)
         self.timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[Reply]] = {}

@@ -1,7 +1,9 @@
 """The wire contract: version, op names, error codes and header shapes.
 
 Everything a peer needs to speak to a skiff worker lives in this package; it
-imports nothing from ``worker/`` so gateways can depend on it alone.
+imports nothing from ``worker/`` so gateways can depend on it alone. Error
+codes and their classes live in ``faults`` (below everything) and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -9,25 +11,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
+from faults import ErrorCode
+
 VERSION = 1
-
-
-class ErrorCode(StrEnum):
-    """Stable error codes. Clients branch on these strings; never rename one."""
-
-    BAD_REQUEST = "bad_request"
-    UNKNOWN_OP = "unknown_op"
-    UNSUPPORTED_VERSION = "unsupported_version"
-    LANES_BUSY = "lanes_busy"
-    QUEUE_FULL = "queue_full"
-    SESSION_NOT_ACTIVE = "session_not_active"
-    CONTEXT_OVERFLOW = "context_overflow"
-    CANCELLED = "cancelled"
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    LIMIT_EXCEEDED = "limit_exceeded"
-    UNSUPPORTED = "unsupported"
-    PAYLOAD_TOO_LARGE = "payload_too_large"
-    INTERNAL = "internal"
 
 
 class Op(StrEnum):
@@ -52,6 +38,10 @@ class Op(StrEnum):
     TRIM = "trim"
     ALIGN = "align"
     DROP = "drop"
+    SYNTHESIZE = "synthesize"  # the speech worker's
+
+
+__all__ = ["VERSION", "ErrorCode", "Op", "error_reply", "event_reply", "ok_reply", "request"]
 
 
 def request(

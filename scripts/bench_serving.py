@@ -8,7 +8,7 @@ one of a fixed set of 128-token prompts, 2 compute threads everywhere:
                    ``llama_decode`` per step carrying one token of each
                    sequence, greedy via ``greedy_token``; no sockets (the ceiling)
   skiff            ``python -m worker.cli --lanes 8 --threads 2`` over ipc://,
-                   driven closed-loop by ``worker.loadtest.run_load`` (N users,
+                   driven closed-loop by ``loadtest.run_load`` (N users,
                    N*k requests)
   llama_cpp.server llama-cpp-python's OpenAI server, N threads streaming
                    ``/v1/completions`` (EOG tokens suppressed by ``logit_bias``)
@@ -46,9 +46,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from loadtest import percentile, run_load  # noqa: E402
+from loadtest.prompts import make_text  # noqa: E402
 from protocol import Client, SkiffError  # noqa: E402
-from worker.loadtest import percentile, run_load  # noqa: E402
-from worker.loadtest.prompts import make_text  # noqa: E402
 from worker.models import default_model_path  # noqa: E402
 
 THREADS = 2

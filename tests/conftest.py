@@ -68,12 +68,22 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """(endpoint, log path) of the shared worker: 8 lanes x 2048 cells."""
+def worker_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """(process, endpoint, log path) of the shared worker: 8 lanes x 2048 cells."""
     tmp = tmp_path_factory.mktemp("worker")
     proc, endpoint, log_path = start_worker(tmp, "--lanes", "8", "--ctx", "16384")
-    yield endpoint, log_path
+    yield proc, endpoint, log_path
     stop_worker(proc)
+
+
+@pytest.fixture(scope="session")
+def worker(
+    worker_process: tuple[subprocess.Popen[bytes], str, Path],
+) -> tuple[str, Path]:
+    """(endpoint, log path) of the shared worker."""
+    return worker_process[1], worker_process[2]
 
 
 @pytest.fixture()
@@ -82,4 +92,5 @@ def client(worker: tuple[str, Path]) -> Iterator[Client]:
     with Client(worker[0], timeout_ms=60_000) as c:
         yield c
         for entry in c.stats()["sessions"]:
-            c.drop(entry["session"])
+            if not entry.get("ephemeral"):
+                c.drop(entry["session"])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from faults import LanesBusy, SessionNotActive
 from worker.jobs import chunk_bounds
-from worker.runtime import LanePool, LanesBusy, SessionNotActive
+from worker.runtime import LanePool
 
 
 def test_admit_is_all_or_nothing() -> None:

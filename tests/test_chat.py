@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 
 from conftest import start_worker, stop_worker
+from edge import Request
+from faults import BadRequest
 from protocol import Client, SkiffError
 from worker import handlers
-from worker.chat import FALLBACK_TEMPLATE, ChatJob, ChatTemplate, get_messages
-from worker.validate import BadRequest
+from worker.chat import FALLBACK_TEMPLATE, ChatTemplate
+from worker.generate import ChatJob
+from worker.validate import get_messages
 
 SPECIAL = {"<eos>": 1, "<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106}
 
@@ -140,21 +143,29 @@ def test_messages_validation(messages: Any, field: str) -> None:
 def test_chat_job_gets_the_end_of_turn_stop() -> None:
     vocab = FakeVocab()
     jobs: list[Any] = []
-    srv = SimpleNamespace(
+    app = SimpleNamespace(
         engine=vocab,
+        n_vocab=1000,
+        grammars=None,
+        draft=None,
         chat=ChatTemplate.load("", vocab),
         rt=SimpleNamespace(ctx_per_lane=2048),
-        cfg=SimpleNamespace(prefill_chunk=256, budget=512),
-        sched=SimpleNamespace(submit=jobs.append),
+        chunk=256,
+        ticket=lambda req: SimpleNamespace(id=req.id),
+        submit=jobs.append,
     )
-    header = {"op": "chat", "args": {"messages": CONVO, "stop": ["x"], "stop_tokens": [7]}}
-    handlers.h_chat(srv, SimpleNamespace(), header, [])  # type: ignore[arg-type]
+
+    def request(args: dict[str, Any]) -> Request:
+        return Request(b"p", 1, "chat", None, args, [], 0.0, None)
+
+    args = {"messages": CONVO, "stop": ["x"], "stop_tokens": [7]}
+    handlers.h_chat(app, request(args))  # type: ignore[arg-type]
     (job,) = jobs
     assert isinstance(job, ChatJob) and job.ephemeral
     assert job.stop_tokens == {7, 106} and job.stop == ["x", "<end_of_turn>"]
     assert job.prompt == vocab.tokenize(GEMMA_CONVO, False, True)
     with pytest.raises(BadRequest, match="not prompt"):
-        handlers.h_chat(srv, SimpleNamespace(), {"args": {"messages": CONVO, "prompt": "x"}}, [])  # type: ignore[arg-type]
+        handlers.h_chat(app, request({"messages": CONVO, "prompt": "x"}))  # type: ignore[arg-type]
 
 
 # -- over the socket ------------------------------------------------------------------

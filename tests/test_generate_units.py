@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.context import RequestCtx
 from worker.generate import GenerateJob
 from worker.runtime import Session
+from worker.ticket import Event, Outbox, Result, Ticket
 
 
 class _Engine:
@@ -27,18 +27,34 @@ class _Rt:
         self.engine = _Engine(pieces)
 
 
-def _job(stop: list[str], max_tokens: int = 50) -> tuple[GenerateJob, list[dict[str, Any]]]:
-    sent: list[dict[str, Any]] = []
-
-    def send(peer: bytes, header: dict[str, Any], buffers: object) -> bool:
-        sent.append(header)
-        return True
-
-    ctx = RequestCtx(b"p", 1, "generate", None, send)
-    job = GenerateJob(ctx, "s", False, [5], max_tokens, None, stop, set(), False, True, 256)
+def _job(stop: list[str], max_tokens: int = 50) -> tuple[GenerateJob, _Sent]:
+    outbox = Outbox()
+    sent = _Sent(outbox)
+    ticket = Ticket(b"p", 1, "generate", outbox)
+    job = GenerateJob(ticket, "s", False, [5], max_tokens, None, stop, set(), False, True, 256)
     job.session = Session("s", 0, position=1)
     job.tokens = [5]
     return job, sent
+
+
+class _Sent:
+    """The outputs a job wrote, read like the list of headers it used to send."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self.items: list[dict[str, Any]] = []
+
+    def _sync(self) -> list[dict[str, Any]]:
+        for _, out in self.outbox.take():
+            assert isinstance(out, Event | Result)
+            self.items.append(out.data)
+        return self.items
+
+    def __iter__(self) -> Any:
+        return iter(self._sync())
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._sync()[i]
 
 
 def _run(job: GenerateJob, rt: _Rt, tokens: list[int]) -> None:

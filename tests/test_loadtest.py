@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, start_worker, stop_worker
-from worker.loadtest import (
+from loadtest import (
     LoadConfig,
     RequestRecord,
     builtin_prompts,
@@ -26,9 +26,9 @@ from worker.loadtest import (
     run_load,
     summarize,
 )
-from worker.loadtest.cli import build_parser, config_from_args
-from worker.loadtest.report import format_table
-from worker.loadtest.stats import timeline
+from loadtest.cli import build_parser, config_from_args
+from loadtest.report import format_table
+from loadtest.stats import timeline
 
 # -- percentiles and distributions ------------------------------------------------
 
@@ -168,7 +168,7 @@ def test_summarize_of_nothing() -> None:
 
 
 def test_cancelled_finish_counts_as_error() -> None:
-    from worker.loadtest.runner import _absorb_final
+    from loadtest.runner import _absorb_final
 
     rec = RequestRecord(index=0)
     _absorb_final(rec, {"done": True, "finish_reason": "cancelled", "usage": {}})
@@ -277,7 +277,7 @@ def test_cli_writes_json_and_plot(lt_worker: str, tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "worker.loadtest.cli",
+        "loadtest.cli",
         "--endpoint",
         lt_worker,
         "--concurrency",

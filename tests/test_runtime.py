@@ -12,14 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from faults import ContextOverflow, EngineFault, PositionMismatch
 from worker.engine import Engine, EngineConfig
-from worker.runtime import (
-    ContextOverflow,
-    EngineFault,
-    PositionMismatch,
-    RuntimeState,
-    Step,
-)
+from worker.runtime import RuntimeState, Step
 
 
 @pytest.fixture(scope="module")

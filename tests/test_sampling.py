@@ -13,11 +13,13 @@ from typing import Any
 
 import pytest
 
+from faults import BadRequest
 from protocol import Client, SkiffError
-from worker.engine import Engine, EngineConfig, SamplerSpec
-from worker.engine.sampling import Sampler, SamplerError, check_grammar, eog_tokens
-from worker.runtime import InvalidArgument, RuntimeState, Step
-from worker.validate import BadRequest, get_sampling
+from worker.engine import Engine, EngineConfig
+from worker.engine.sampling import LlamaGrammars, Sampler, SamplerError, check_grammar, eog_tokens
+from worker.runtime import RuntimeState, Step
+from worker.spec import SamplerSpec
+from worker.validate import get_sampling
 
 PROMPT = "The capital of France is"
 REPEAT = "one one one one one one one one one one"
@@ -216,7 +218,7 @@ def test_grammar_that_cannot_continue_raises_instead_of_aborting(rt: RuntimeStat
     assert rt.engine.detokenize([tok]) == "a"
     before = session.position
     (result,) = rt.forward([Step(session, [tok], sample=True, spec=s)])
-    assert isinstance(result.error, InvalidArgument)  # -> bad_request, worker lives
+    assert isinstance(result.error, BadRequest)  # -> bad_request, worker lives
     assert "no token satisfies" in str(result.error)
     assert session.position == before + 1  # the fed token is accounted for
     rt.check_position(session)
@@ -351,14 +353,17 @@ def test_defaults_are_llama_cpp_common_defaults() -> None:
 )
 def test_out_of_range_values_are_bad_requests_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(BadRequest, match=f"sampling\\.{field}"):
-        get_sampling({"sampling": {field: value}})
+        get_sampling({"sampling": {field: value}}, grammars=LlamaGrammars())
 
 
 def test_unknown_keys_and_conflicts_are_bad_requests() -> None:
     with pytest.raises(BadRequest, match=r"sampling\.top_q is not a known sampling field"):
         get_sampling({"sampling": {"top_q": 0.5}})
     with pytest.raises(BadRequest, match="cannot both"):
-        get_sampling({"sampling": {"grammar": "root ::= [0-9]", "json_schema": {}}})
+        get_sampling(
+            {"sampling": {"grammar": "root ::= [0-9]", "json_schema": {}}},
+            grammars=LlamaGrammars(),
+        )
     with pytest.raises(BadRequest, match="sampling must be a map"):
         get_sampling({"sampling": [1]})
     assert check_grammar("root ::= [0-9]+") is None

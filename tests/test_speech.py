@@ -358,3 +358,58 @@ def test_still_serving_after_every_error(speech: Client) -> None:
     assert stats["audio_seconds"] > 0 and stats["uptime_s"] > 0
     reply, wav = synth_wav(speech, "Still here.")
     assert reply.result["sample_count"] > 0 and wav[:4] == b"RIFF"
+
+
+# -- peers that misbehave -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tight_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A worker that gives up on a peer after 4 unread messages."""
+    w = Worker(tmp_path_factory.mktemp("speech_tight"), "--send-hwm", "4", "--threads", "1")
+    yield w
+    w.stop()
+
+
+def test_client_that_never_reads_is_dropped_and_ping_stays_fast(tight_worker: Worker) -> None:
+    """Enough streaming syntheses to fill the reader's queue many times over:
+    the worker keeps answering ping within 1 s, and drops the reader's work."""
+    from protocol.sockets import SocketOptions
+
+    long_text = " ".join(f"Sentence {n} of a long story." for n in range(60))
+    stuck = Client(tight_worker.endpoint, options=SocketOptions(max_message_bytes=-1, rcvhwm=1))
+    try:
+        for _ in range(8):  # 8 x 60 chunks; the reader's pipes hold a handful
+            stuck.send("synthesize", args={"text": long_text, "stream": True})
+        with Client(tight_worker.endpoint, timeout_ms=10_000) as probe:
+            worst = 0.0
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                t0 = time.monotonic()
+                assert probe.ping() == {"pong": True}
+                worst = max(worst, time.monotonic() - t0)
+                stats = probe.stats()
+                if stats["dropped"] >= 8 and not stats["running"] and not stats["queued"]:
+                    break
+                time.sleep(0.1)
+            assert stats["dropped"] >= 8, stats  # every synthesis of the reader was dropped
+            assert stats["completed"] == 0
+            assert worst < 1.0, worst
+    finally:
+        stuck.close()
+
+
+def test_300_mib_message_is_dropped_by_the_socket(tight_worker: Worker) -> None:
+    import psutil
+
+    from protocol.sockets import SocketOptions
+
+    rss = psutil.Process(tight_worker.proc.pid).memory_info
+    before = rss().rss
+    with Client(tight_worker.endpoint, options=SocketOptions(max_message_bytes=-1)) as c:
+        c.send_raw([bytes(300 << 20)])
+        time.sleep(2.0)
+    with Client(tight_worker.endpoint, timeout_ms=10_000) as c:
+        assert c.ping() == {"pong": True}
+    grown = rss().rss - before
+    assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB"

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, stop_worker
+from loadtest import run_load
 from protocol import Client, SkiffError
-from worker.loadtest import run_load
 
 COMPOSE = Path(str(__import__("compose").__file__)).parent / "docker-compose"
 

@@ -1,4 +1,4 @@
-"""The ``chat`` op: messages -> prompt tokens through a Jinja chat template.
+"""Chat templates: messages -> prompt tokens through a Jinja chat template.
 
 The template comes from ``--chat-template FILE``, else the model's GGUF
 ``tokenizer.chat_template``, else the Gemma-turn fallback below (the packaged
@@ -32,9 +32,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .generate import GenerateJob
-from .runtime import RuntimeState
-from .validate import BadRequest
+from faults import BadRequest
 
 FALLBACK_NAME = "gemma-turn"
 
@@ -213,50 +211,3 @@ def _spelling(engine: Vocab, token: int, candidates: tuple[str, ...]) -> str:
         if engine.tokenize(text, False, True) == [token]:
             return text
     return ""
-
-
-def get_messages(args: dict[str, Any], max_chars: int) -> list[dict[str, str]]:
-    """Validate ``messages``: a non-empty list of ``{"role", "content"}`` strings."""
-    messages = args.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list")
-    if len(messages) > MAX_MESSAGES:
-        raise BadRequest(f"messages has more than {MAX_MESSAGES} entries")
-    out: list[dict[str, str]] = []
-    total = 0
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRequest(f"messages[{i}] must be a map")
-        role, content = msg.get("role"), msg.get("content")
-        if not isinstance(role, str) or not 0 < len(role) <= 64:
-            raise BadRequest(f"messages[{i}].role must be a non-empty string")
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string")
-        total += len(content)
-        if total > max_chars:
-            raise BadRequest(f"messages are longer than {max_chars} characters")
-        out.append({"role": role, "content": content})
-    return out
-
-
-class ChatJob(GenerateJob):
-    """A generation whose prompt is a rendered chat (``prompt`` holds its tokens).
-
-    On a session that already holds tokens, the template's BOS is dropped and
-    the closer of the previous model turn is fed first.
-    """
-
-    def __init__(self, *args: Any, template: ChatTemplate, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.template = template
-
-    def start(self, rt: RuntimeState) -> bool:
-        (sid,) = self.sessions
-        prior = rt.lanes.get(sid)
-        if prior is not None and (prior.position > 0 or prior.pending):
-            assert isinstance(self.prompt, list)
-            tokens = self.prompt
-            if tokens and tokens[0] == self.template.bos:
-                tokens = tokens[1:]
-            self.prompt = self.template.closer_tokens + tokens
-        return super().start(rt)

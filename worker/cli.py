@@ -8,10 +8,14 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from . import config, logs
+from edge import EdgeConfig, EdgeServer, logs
+from protocol.sockets import SocketOptions
+
+from . import config
 from .engine import Engine, EngineConfig
 from .models import resolve_model
-from .server import Server
+from .runtime import DraftRuntime
+from .service import LlmService
 from .speculative import DraftModel
 
 
@@ -28,6 +32,15 @@ def build_engine(cfg: config.WorkerConfig, model: str | None = None) -> Engine:
             n_threads=cfg.n_threads,
             repack=bool(cfg.repack),
         )
+    )
+
+
+def edge_config(cfg: config.WorkerConfig) -> EdgeConfig:
+    """The edge's settings from the worker's flags."""
+    return EdgeConfig(
+        bind=cfg.bind,
+        max_header_bytes=cfg.max_request_bytes,
+        socket=SocketOptions(max_message_bytes=cfg.max_message_bytes),
     )
 
 
@@ -48,11 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = build_engine(cfg)
         if cfg.draft_model:
             path = str(resolve_model(cfg.draft_model))
-            draft = DraftModel(build_engine(cfg, cfg.draft_model), path)
+            draft = DraftModel(DraftRuntime(build_engine(cfg, cfg.draft_model), path))
+        service = LlmService(cfg, engine, draft=draft)
+        server = EdgeServer(edge_config(cfg), service)
     except Exception as exc:
         log.error("startup_failed", error=str(exc))
         return 1
-    server = Server(cfg, engine, draft=draft)
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
         log.info("signal", signal=signal.Signals(signum).name)
@@ -60,13 +74,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
+    log.info(
+        "worker_ready",
+        endpoint=server.endpoint,
+        lanes=service.rt.lanes.n_lanes,
+        n_ctx=engine.n_ctx,
+        model=engine.cfg.model_path,
+    )
     try:
         server.serve_forever()
     finally:
         server.close()
         engine.close()
         if draft is not None:
-            draft.engine.close()
+            draft.runtime.close()
+    log.info("worker_stopped", requests=server.requests)
     return 0
 
 

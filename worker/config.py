@@ -11,7 +11,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .logs import LOG_FORMATS
+from edge.logs import LOG_FORMATS
+from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class WorkerConfig:
     admission_timeout_ms: int = 60_000
     session_idle_s: float = 600.0
     max_request_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     log_format: str = "auto"
     log_level: str = "info"
     chat_template: str = ""  # "" = the model's own, else the Gemma-turn fallback
@@ -65,6 +67,11 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),
     ("session-idle-s", float, "drop named sessions unused this long (frees lanes of gone peers)"),
     ("max-request-bytes", int, "largest request header; larger is payload_too_large"),
+    (
+        "max-message-bytes",
+        int,
+        "largest ZeroMQ frame a peer may send; larger drops its connection (MAXMSGSIZE)",
+    ),
     ("draft-model", str, "GGUF (or 'default') drafting for speculative.mode=draft_model"),
     ("log-format", str, "log rendering: auto (console on a TTY, else json), json, console"),
     ("log-level", str, "debug, info, warning, error"),

@@ -20,11 +20,14 @@ import codecs
 import time
 from typing import Any
 
-from .context import RequestCtx
-from .engine import ROW_INVARIANT_ROWS, SamplerSpec
+from faults import BadRequest
+
+from .engine import ROW_INVARIANT_ROWS
 from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds
-from .runtime import InvalidArgument, RuntimeState, Session, Step, StepResult
+from .runtime import RuntimeState, Session, SessionId, Step, StepResult
+from .spec import SamplerSpec
 from .speculative import Drafter, accept
+from .ticket import Ticket
 
 
 class GenerateJob(Job):
@@ -32,8 +35,8 @@ class GenerateJob(Job):
 
     def __init__(
         self,
-        ctx: RequestCtx,
-        session: str,
+        ticket: Ticket,
+        session: SessionId,
         ephemeral: bool,
         prompt: str | list[int],
         max_tokens: int,
@@ -46,7 +49,7 @@ class GenerateJob(Job):
         drafter: Drafter | None = None,
         top_logprobs: int | None = None,
     ) -> None:
-        super().__init__(ctx, [session])
+        super().__init__(ticket, [session])
         self.phase = PHASE_PREFILL  # PHASE_DECODE once the first token is out
         self.ephemeral = ephemeral
         self.prompt = prompt
@@ -88,7 +91,7 @@ class GenerateJob(Job):
             prompt = list(self.prompt)
         self.tokens = session.pending + prompt
         if not self.tokens:
-            raise InvalidArgument("prompt is empty")
+            raise BadRequest("prompt is empty")
         rt.ensure_room(session, len(self.tokens))
         session.pending = []
         self.t_start = time.monotonic()
@@ -236,7 +239,7 @@ class GenerateJob(Job):
             event = {"event": "token", "token": token, "text": delta, "position": position}
             if self._info is not None:
                 event.update(self._info)
-            self.ctx.event(event)
+            self.ticket.event(event)
 
     # -- endings ------------------------------------------------------------------
 
@@ -254,23 +257,48 @@ class GenerateJob(Job):
             "finish_reason": reason,
             "usage": {"prompt_tokens": len(self.tokens), "completion_tokens": len(self.completion)},
             "timings": {
-                "queue_ms": round((self.t_start - self.ctx.received) * 1000, 3)
+                "queue_ms": round((self.t_start - self.ticket.received) * 1000, 3)
                 if self.t_start
-                else round((now - self.ctx.received) * 1000, 3),
+                else round((now - self.ticket.received) * 1000, 3),
                 "prefill_ms": round((first - self.t_start) * 1000, 3) if self.t_start else 0.0,
-                "ttft_ms": round((first - self.ctx.received) * 1000, 3),
+                "ttft_ms": round((first - self.ticket.received) * 1000, 3),
                 "decode_ms": round((now - first) * 1000, 3),
             },
         }
         if self.drafter is not None:
             summary["speculative"] = {"drafted": self.drafted, "accepted": self.accepted}
         if self.stream:
-            self.ctx.event({"done": True, "text": tail, **summary})
+            self.ticket.event({"event": "done", "done": True, "text": tail, **summary})
         else:
             result = {"text": "".join(self.text_parts), "tokens": self.completion, **summary}
             if self.top_logprobs is not None:
                 result["logprobs"] = self.logprobs
-            self.ctx.reply_done(result)
+            self.ticket.reply_done(result)
 
     def on_cancel(self, rt: RuntimeState) -> None:
         self._finish(rt, "cancelled")
+
+
+class ChatJob(GenerateJob):
+    """A generation whose prompt is a rendered chat (``prompt`` holds its tokens).
+
+    On a session that already holds tokens, the template's BOS (``bos``) is
+    dropped and ``closer`` — what the template writes after a model turn,
+    whose end-of-turn token never reached the KV cache — is fed first.
+    """
+
+    def __init__(self, *args: Any, closer: list[int], bos: int | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.closer = closer
+        self.bos = bos
+
+    def start(self, rt: RuntimeState) -> bool:
+        (sid,) = self.sessions
+        prior = rt.lanes.get(sid)
+        if prior is not None and (prior.position > 0 or prior.pending):
+            assert isinstance(self.prompt, list)
+            tokens = self.prompt
+            if tokens and tokens[0] == self.bos:
+                tokens = tokens[1:]
+            self.prompt = self.closer + tokens
+        return super().start(rt)

@@ -17,22 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from protocol import frames
+from faults import BadRequest, Cancelled, ContextOverflow, LanesBusy
 
-from .context import RequestCtx
-from .engine import SamplerSpec
-from .runtime import (
-    Cancelled,
-    ContextOverflow,
-    InvalidArgument,
-    LanesBusy,
-    RuntimeState,
-    Session,
-    Step,
-    StepResult,
-)
+from .engine import ROW_INVARIANT_ROWS
+from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.signals import window_summary
-from .speculative import accept
+from .spec import SamplerSpec
+from .ticket import Ticket
+
+# Tokens a settled verify feeds (no logits) per turn.
+_FEED_PIECE = 256
 
 PHASE_DECODE = 0
 PHASE_ATOMIC = 1
@@ -47,8 +41,8 @@ class Job:
     waits_for_lane = False  # queue (rather than lanes_busy) when no lane
     ephemeral = False  # sessions are created for this job and dropped after
 
-    def __init__(self, ctx: RequestCtx, sessions: Sequence[str]) -> None:
-        self.ctx = ctx
+    def __init__(self, ticket: Ticket, sessions: Sequence[SessionId]) -> None:
+        self.ticket = ticket
         self.sessions = tuple(sessions)
         self.cancelled = False
 
@@ -69,10 +63,10 @@ class Job:
         return True
 
     def fail(self, rt: RuntimeState, exc: BaseException) -> None:
-        self.ctx.fail(exc)
+        self.ticket.fail(exc)
 
     def on_cancel(self, rt: RuntimeState) -> None:
-        self.ctx.fail(Cancelled("request cancelled"))
+        self.ticket.fail(Cancelled("request cancelled"))
 
     def release(self, rt: RuntimeState) -> None:
         """Called once when the job leaves the scheduler, however it ended."""
@@ -103,14 +97,14 @@ class PrefillJob(Job):
 
     def __init__(
         self,
-        ctx: RequestCtx,
+        ticket: Ticket,
         session: str,
         tokens: list[int],
         chunk: int,
         sampled: bool,
         spec: SamplerSpec | None,
     ) -> None:
-        super().__init__(ctx, [session])
+        super().__init__(ticket, [session])
         self.tokens = tokens
         self.chunk = chunk
         self.sampled = sampled
@@ -142,7 +136,7 @@ class PrefillJob(Job):
         result: dict[str, Any] = {"position": self.session.position}
         if self.sampled:
             result["token"] = results[0].token
-        self.ctx.reply(result)
+        self.ticket.reply(result)
         return True
 
 
@@ -151,13 +145,13 @@ class DecodeJob(Job):
 
     def __init__(
         self,
-        ctx: RequestCtx,
+        ticket: Ticket,
         session: str,
         token: int,
         spec: SamplerSpec | None,
         return_logits: bool,
     ) -> None:
-        super().__init__(ctx, [session])
+        super().__init__(ticket, [session])
         self.token = token
         self.spec = spec
         self.return_logits = return_logits
@@ -177,10 +171,10 @@ class DecodeJob(Job):
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         assert self.session is not None
         result: dict[str, Any] = {"token": results[0].token, "position": self.session.position}
-        buffers: list[Any] = []
+        arrays = {}
         if self.return_logits and results[0].logits is not None:
-            result["logits"] = frames.attach(results[0].logits[None, :], buffers)
-        self.ctx.reply(result, buffers)
+            arrays["logits"] = results[0].logits[None, :]
+        self.ticket.reply(result, arrays)
         return True
 
 
@@ -210,13 +204,13 @@ class AtomicBatchJob(Job):
 
     def __init__(
         self,
-        ctx: RequestCtx,
+        ticket: Ticket,
         entries: list[BatchEntry],
         label: str,
         return_logits: bool = False,
         start_positions: dict[int, int] | None = None,
     ) -> None:
-        super().__init__(ctx, [e.session_id for e in entries])
+        super().__init__(ticket, [e.session_id for e in entries])
         self.entries = entries
         self.label = label
         self.return_logits = return_logits
@@ -237,7 +231,7 @@ class AtomicBatchJob(Job):
             position = known.position if known else 0
             want = self.start_positions.get(index)
             if want is not None and want != position:
-                raise InvalidArgument(
+                raise BadRequest(
                     f"requests[{index}].positions start at {want} but session "
                     f"{entry.session_id!r} is at {position}"
                 )
@@ -261,12 +255,11 @@ class AtomicBatchJob(Job):
         ]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
-        buffers: list[Any] = []
+        arrays = {}
         if self.label == "decode_batch":
             result: dict[str, Any] = {"tokens": [r.token for r in results]}
             if self.return_logits:
-                stacked = np.stack([r.logits for r in results if r.logits is not None])
-                result["logits"] = frames.attach(stacked, buffers)
+                arrays["logits"] = np.stack([r.logits for r in results if r.logits is not None])
         else:
             result = {
                 "samples": [
@@ -276,7 +269,7 @@ class AtomicBatchJob(Job):
                 ],
                 "positions": [s.position for s in self.bound],
             }
-        self.ctx.reply(result, buffers)
+        self.ticket.reply(result, arrays)
         return True
 
 
@@ -284,84 +277,124 @@ class SessionOpJob(Job):
     """trim / align / drop / signal / signal_window: no forward, but ordered
     with the session's other work."""
 
-    def __init__(self, ctx: RequestCtx, session: str, op: str, token_count: int = 0) -> None:
-        super().__init__(ctx, [session])
+    def __init__(self, ticket: Ticket, session: SessionId, op: str, token_count: int = 0) -> None:
+        super().__init__(ticket, [session])
         self.op = op
         self.token_count = token_count
 
     def start(self, rt: RuntimeState) -> bool:
         sid = self.sessions[0]
         if self.op == "trim":
-            self.ctx.reply({"position": rt.trim(sid, self.token_count)})
+            self.ticket.reply({"position": rt.trim(sid, self.token_count)})
         elif self.op == "align":
             before, after = rt.align(sid, self.token_count)
-            self.ctx.reply({"before": before, "after": after})
+            self.ticket.reply({"before": before, "after": after})
         elif self.op == "signal":
             session = rt.lanes.require(sid)
             if not session.signals:
-                raise InvalidArgument(f"session {sid!r} has no sampled token yet")
-            self.ctx.reply(session.signals[-1].as_dict())
+                raise BadRequest(f"session {str(sid)!r} has no sampled token yet")
+            self.ticket.reply(session.signals[-1].as_dict())
         elif self.op == "signal_window":
             session = rt.lanes.require(sid)
-            self.ctx.reply(window_summary(session.signals, self.token_count))
+            self.ticket.reply(window_summary(session.signals, self.token_count))
         else:
             rt.drop(sid)
-            self.ctx.reply({})
+            self.ticket.reply({})
         return True
 
 
 class VerifyJob(Job):
-    """Score a span ``[t0, d1..dk]`` in one forward; keep the agreeing drafts.
+    """Score a span ``[t0, d1..dk]`` and keep the agreeing drafts.
 
-    ``predicted[i]`` is the target's token after ``tokens[..i]``. Greedy
-    verification reports all k+1 predictions; a stateful sampler stops at the
-    first disagreement so its RNG and penalty state advance exactly as plain
-    decoding would have.
+    ``predicted[i]`` is the target's token after ``tokens[..i]``. The span is
+    scored in pieces of at most ``ROW_INVARIANT_ROWS`` rows, one piece a
+    turn: such a piece scores each token exactly as plain decoding would,
+    and llama.cpp's logits buffer (sized by the most rows ever asked, never
+    shrunk) stays at 7 rows of ``n_vocab`` however long the span.
+    Greedy verification reports all k+1 predictions; a stateful sampler
+    stops at the first disagreement so its RNG and penalty state advance
+    exactly as plain decoding would have. Tokens after a disagreement are fed
+    without logits when ``trim`` is false (they stay in the KV cache).
     """
 
     phase = PHASE_ATOMIC
     atomic = True
 
     def __init__(
-        self, ctx: RequestCtx, session: str, tokens: list[int], spec: SamplerSpec | None, trim: bool
+        self,
+        ticket: Ticket,
+        session: str,
+        tokens: list[int],
+        spec: SamplerSpec | None,
+        trim: bool,
     ) -> None:
-        super().__init__(ctx, [session])
+        super().__init__(ticket, [session])
         self.tokens = tokens
         self.spec = spec
         self.trim = trim
         self.session: Session | None = None
+        self.start_position = 0
+        self.done = 0  # tokens of the span already in the KV cache
+        self.inflight = 0
+        self.predicted: list[int] = []
+        self.settled = False  # a stateful sampler disagreed: no more sampling
 
     def start(self, rt: RuntimeState) -> bool:
         (self.session,) = rt.admit(self.sessions)
         rt.ensure_room(self.session, len(self.tokens))
+        self.start_position = self.session.position
         return False
 
     def size(self) -> int:
-        return len(self.tokens)
+        left = len(self.tokens) - self.done
+        return min(_FEED_PIECE if self.settled else ROW_INVARIANT_ROWS, left)
 
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
         assert self.session is not None
-        if len(self.tokens) > budget:
+        n = self.size()
+        if n > budget:
             return []
-        return [Step(self.session, self.tokens, False, self.spec, all_rows=True)]
+        self.inflight = n
+        part = self.tokens[self.done : self.done + n]
+        if self.settled:
+            return [Step(self.session, part)]
+        return [Step(self.session, part, False, self.spec, all_rows=True)]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         session = self.session
         assert session is not None
-        rows = results[0].rows
-        assert rows is not None
-        start = session.position - len(rows)
+        first = self.done
+        self.done += self.inflight
+        if not self.settled:
+            rows = results[0].rows
+            assert rows is not None
+            self._score(rt, session, first, rows)
+        if self.done < len(self.tokens) and not (self.settled and self.trim):
+            return False
+        drafts = self.tokens[1:]
+        accepted = 0
+        while accepted < len(drafts) and accepted < len(self.predicted):
+            if self.predicted[accepted] != drafts[accepted]:
+                break
+            accepted += 1
+        keep = self.start_position + 1 + accepted
+        if self.trim and keep < session.position:
+            rt.trim(session.id, keep)
+        self.ticket.reply(
+            {"predicted": self.predicted, "accepted": accepted, "position": session.position}
+        )
+        return True
+
+    def _score(self, rt: RuntimeState, session: Session, first: int, rows: list[int]) -> None:
+        """Predictions after tokens ``first ..`` of the span, from this piece's rows."""
         drafts = self.tokens[1:]
         if self.spec is None or self.spec.greedy:
-            predicted = [rt.sample_row(session, None, row) for row in rows]
-        else:
-            predicted = accept(
-                drafts, lambda i: rt.sample_row(session, self.spec, rows[i]), lambda _t: False
-            )
-        accepted = 0
-        while accepted < len(drafts) and predicted[accepted] == drafts[accepted]:
-            accepted += 1
-        if self.trim and start + 1 + accepted < session.position:
-            rt.trim(session.id, start + 1 + accepted)
-        self.ctx.reply({"predicted": predicted, "accepted": accepted, "position": session.position})
-        return True
+            self.predicted += [rt.sample_row(session, None, row) for row in rows]
+            return
+        for k, row in enumerate(rows):
+            i = first + k  # prediction i is checked against drafts[i]
+            token = rt.sample_row(session, self.spec, row)
+            self.predicted.append(token)
+            if i == len(drafts) or token != drafts[i]:
+                self.settled = True
+                return

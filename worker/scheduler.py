@@ -11,27 +11,23 @@ then build one batch under the token budget:
 3. prefill chunks, round-robin across jobs, so a long prompt never holds
    running streams for more than one chunk.
 
-The scheduler knows nothing about sockets: jobs answer via ``RequestCtx``.
+The scheduler knows nothing about sockets: jobs answer through their
+``Ticket`` into the outbox, which the edge empties after the turn.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from structlog import get_logger
+
+from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
+
 from .jobs import PHASE_ATOMIC, PHASE_DECODE, Job
-from .logs import get_logger
-from .runtime import (
-    Cancelled,
-    DeadlineExceeded,
-    LanesBusy,
-    QueueFull,
-    RuntimeFault,
-    RuntimeState,
-    Step,
-)
+from .runtime import RuntimeState, SessionId, Step
 from .stats import SchedulerStats
 
 _log = get_logger("skiff.scheduler")
@@ -51,7 +47,7 @@ class Scheduler:
         self.cfg = cfg
         self.pending: deque[Job] = deque()
         self.active: list[Job] = []
-        self.busy: set[str] = set()
+        self.busy: set[SessionId] = set()
         self.stats = SchedulerStats()
         self._turn = 0
         self._boost: Job | None = None  # atomic job that missed the last turn
@@ -75,22 +71,23 @@ class Scheduler:
         # A rough wait: one average turn per queued request ahead of us.
         return max(10, int(self.stats.mean_turn_ms() * max(1, len(self.pending))))
 
-    def cancel(self, peer: bytes, req_id: int) -> bool:
+    def cancel(self, owner: Hashable, req_id: int) -> bool:
         for job in self._all_jobs():
-            if job.ctx.peer == peer and job.ctx.id == req_id and not job.cancelled:
+            if job.ticket.owner == owner and job.ticket.id == req_id and not job.cancelled:
                 job.cancelled = True
                 return True
         return False
 
-    def cancel_peer(self, peer: bytes) -> int:
+    def cancel_owner(self, owner: Hashable) -> int:
+        """Cancel every job of one owner (a peer that went away or stopped reading)."""
         count = 0
         for job in self._all_jobs():
-            if job.ctx.peer == peer and not job.cancelled:
+            if job.ticket.owner == owner and not job.cancelled:
                 job.cancelled = True
                 count += 1
         return count
 
-    def knows_session(self, session_id: str) -> bool:
+    def knows_session(self, session_id: SessionId) -> bool:
         """True when queued or running work names this session."""
         return any(session_id in job.sessions for job in self._all_jobs())
 
@@ -115,7 +112,7 @@ class Scheduler:
         started = time.perf_counter()
         try:
             results = self.rt.forward(steps)
-        except RuntimeFault as exc:
+        except Fault as exc:
             _log.error("forward_failed", error=str(exc), jobs=len(owners))
             for job, _ in owners:
                 self._finish(job, exc)
@@ -132,11 +129,11 @@ class Scheduler:
                 continue
             try:
                 finished = job.advance(self.rt, part)
-            except RuntimeFault as exc:
+            except Fault as exc:
                 self._finish(job, exc)
                 continue
             except Exception as exc:  # a bug in one job must not kill the others
-                _log.exception("job_crashed", op=job.ctx.op)
+                _log.exception("job_crashed", op=job.ticket.op)
                 self._finish(job, exc)
                 continue
             if finished:
@@ -162,25 +159,25 @@ class Scheduler:
             else:
                 self._finish(job, reason)
 
-    def _stop_reason(self, job: Job, now: float, queued: bool) -> RuntimeFault | None:
-        if job.cancelled or job.ctx.dead:
+    def _stop_reason(self, job: Job, now: float, queued: bool) -> Fault | None:
+        if job.cancelled or job.ticket.dead:
             return Cancelled("request cancelled" if job.cancelled else "peer stopped receiving")
-        if job.ctx.expired(now):
+        if job.ticket.expired(now):
             return DeadlineExceeded("deadline passed")
         if queued and job.waits_for_lane:
-            waited_ms = (now - job.ctx.received) * 1000
+            waited_ms = (now - job.ticket.received) * 1000
             if waited_ms > self.cfg.admission_timeout_ms:
                 return DeadlineExceeded(f"no lane within {self.cfg.admission_timeout_ms} ms")
         return None
 
-    def _count_stop(self, reason: RuntimeFault) -> None:
+    def _count_stop(self, reason: Fault) -> None:
         if isinstance(reason, Cancelled):
             self.stats.cancelled += 1
         else:
             self.stats.expired += 1
 
     def _start_pending(self, now: float) -> None:
-        blocked: set[str] = set(self.busy)
+        blocked: set[SessionId] = set(self.busy)
         for job in list(self.pending):
             if blocked.intersection(job.sessions):
                 blocked.update(job.sessions)
@@ -202,7 +199,7 @@ class Scheduler:
                 continue
             self.pending.remove(job)
             self.stats.admitted += 1
-            self.stats.record_queue_wait(now - job.ctx.received)
+            self.stats.record_queue_wait(now - job.ticket.received)
             if finished:
                 job.release(self.rt)
                 continue

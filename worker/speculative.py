@@ -12,11 +12,10 @@ output is the output without speculation (up to batch-shape numerics).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from .engine import Engine, Segment, greedy_token
-from .runtime import Session
+from .runtime import DraftRuntime, Session
 
 
 def lookup_draft(history: Sequence[int], ngram: int, max_draft: int) -> list[int]:
@@ -68,58 +67,20 @@ class PromptLookup:
         return lookup_draft(history, self.ngram, min(self.max_draft, limit))
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftModel:
-    """Greedy drafts from a second model whose lanes mirror the target's.
+    """Greedy drafts from the draft runtime (a second, smaller model)."""
 
-    The draft engine keeps, per lane, the tokens its KV cache holds. Before
-    drafting it keeps the longest prefix shared with the session (so trims,
-    drops and lane reuse need no bookkeeping elsewhere), feeds the rest, then
-    decodes ``k - 1`` more single tokens greedily.
-    """
-
-    engine: Engine
-    path: str
+    runtime: DraftRuntime
     max_draft: int = 8
-    lanes: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return self.runtime.path
 
     def with_max(self, max_draft: int) -> DraftModel:
-        return DraftModel(self.engine, self.path, max_draft, self.lanes)
+        return DraftModel(self.runtime, max_draft)
 
     def draft(self, session: Session, next_token: int, limit: int) -> list[int]:
         k = min(self.max_draft, limit)
-        if k <= 0:
-            return []
-        lane = session.lane
-        have = self.lanes.setdefault(lane, [])
-        want = [*session.tokens, next_token]
-        common = 0
-        for a, b in zip(have, want, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(want) - 1)  # feed at least one token for logits
-        self.engine.seq_rm(lane, common, -1)
-        del have[common:]
-        feed = want[common:]
-        step = self.engine.n_batch
-        for start in range(0, len(feed), step):
-            chunk = feed[start : start + step]
-            if not self._feed(lane, have, chunk):
-                return []
-        drafts: list[int] = []
-        token = greedy_token(self.engine, self.engine.output_index(0))
-        while True:
-            drafts.append(token)
-            if len(drafts) == k or not self._feed(lane, have, [token]):
-                return drafts
-            token = greedy_token(self.engine, self.engine.output_index(0))
-
-    def _feed(self, lane: int, have: list[int], tokens: list[int]) -> bool:
-        status = self.engine.decode([Segment(lane, tokens, len(have), "last")])
-        if not status.ok:  # the draft is only advice: start this lane afresh
-            self.engine.seq_clear(lane)
-            have.clear()
-            return False
-        have.extend(tokens)
-        return True
+        return self.runtime.draft(session.lane, [*session.tokens, next_token], k)

@@ -3,7 +3,11 @@
 Each helper names the offending field in its message so a client can fix
 its request without reading our source. msgpack gives us plain Python
 values; note that ``bool`` is an ``int`` subclass and must be refused where
-an integer is expected.
+an integer is expected. A value is checked for its type before anything
+else touches it (a peer may send any nesting of maps and lists).
+
+This module imports neither the engine nor llama.cpp: grammars are checked
+through the ``GrammarChecker`` the caller passes in.
 """
 
 from __future__ import annotations
@@ -11,31 +15,27 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .engine import DEFAULT_SEED, SamplerSpec
-from .engine.sampling import (
+from faults import BadRequest, ContextOverflow
+
+from .spec import (
     DEFAULT_DRY_BREAKERS,
     DEFAULT_SAMPLERS,
+    DEFAULT_SEED,
     MAX_LOGIT_BIAS,
     SAMPLER_NAMES,
-    SamplerError,
+    GrammarChecker,
+    SamplerSpec,
     canonical_schema,
-    check_grammar,
-    schema_to_grammar,
 )
-from .runtime import InvalidArgument
+
+MAX_MESSAGES = 4096
+MAX_SESSION_CHARS = 256
 
 
-class BadRequest(InvalidArgument):
-    """The request does not follow the protocol."""
-
-
-def args_map(header: dict[str, Any]) -> dict[str, Any]:
-    args = header.get("args", {})
-    if args is None:
-        return {}
-    if not isinstance(args, dict):
-        raise BadRequest("args must be a map")
-    return args
+def shown(value: Any, limit: int = 64) -> str:
+    """A peer's value as it may appear in an error message: repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def get_int(
@@ -84,10 +84,18 @@ def get_str(args: dict[str, Any], name: str, *, max_len: int = 1 << 20) -> str:
     return value
 
 
-def get_session(header: dict[str, Any]) -> str:
-    value = header.get("session")
-    if not isinstance(value, str) or not 0 < len(value) <= 256:
-        raise BadRequest("session must be a non-empty string of at most 256 characters")
+def get_session(session: str | None) -> str:
+    """The request's session, which this op requires (the edge checked its type)."""
+    if session is None:
+        raise BadRequest("session is required")
+    return session
+
+
+def check_session(value: Any, where: str = "session") -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_CHARS:
+        raise BadRequest(
+            f"{where} must be a non-empty string of at most {MAX_SESSION_CHARS} characters"
+        )
     return value
 
 
@@ -108,8 +116,18 @@ def get_tokens(
     if not value and not allow_empty:
         raise BadRequest(f"{name} must not be empty")
     if len(value) > max_len:
-        raise BadRequest(f"{name} has {len(value)} tokens; at most {max_len} fit")
+        raise BadRequest(f"{name} has {len(value)} tokens; at most {max_len} are allowed")
     return [check_token(t, n_vocab, f"{name}[{i}]") for i, t in enumerate(value)]
+
+
+def get_prompt_tokens(args: dict[str, Any], name: str, n_vocab: int, cells: int) -> list[int]:
+    """Tokens bound for a session's KV cache: more than ``cells`` is ``context_overflow``."""
+    value = args.get(name)
+    if isinstance(value, list) and len(value) > cells:
+        raise ContextOverflow(
+            f"{name} has {len(value)} tokens; a session holds at most {cells} (context_overflow)"
+        )
+    return get_tokens(args, name, n_vocab, max_len=cells)
 
 
 _SAMPLING_KEYS = {
@@ -143,6 +161,7 @@ _SAMPLING_KEYS = {
     "json_schema",
 }
 _MAX_GRAMMAR_CHARS = 1 << 18
+MAX_SCHEMA_DEPTH = 16
 _MAX_LAST_N = 1 << 20
 
 
@@ -190,61 +209,81 @@ def _get_samplers(raw: dict[str, Any], key: str) -> tuple[str, ...]:
     for i, item in enumerate(value):
         if item not in SAMPLER_NAMES:
             raise BadRequest(
-                f"{key}[{i}] = {item!r} is not a sampler; known: {', '.join(SAMPLER_NAMES)}"
+                f"{key}[{i}] = {shown(item)} is not a sampler; "
+                f"known: {', '.join(SAMPLER_NAMES)}"
             )
     return tuple(value)
 
 
-def _get_grammar(raw: dict[str, Any], key: str) -> str | None:
+def _get_grammar(raw: dict[str, Any], key: str, check: GrammarChecker | None) -> str | None:
     if raw.get(key) is None:
         return None
     text = get_str(raw, key, max_len=_MAX_GRAMMAR_CHARS)
     if not text.strip():
         raise BadRequest(f"{key} must not be empty")
-    why = check_grammar(text)
+    why = check.grammar_error(text) if check is not None else None
     if why is not None:
         raise BadRequest(f"{key} is not a valid GBNF grammar: {why}")
     return text
 
 
-def _get_json_schema(raw: dict[str, Any], key: str) -> str | None:
+def _get_json_schema(raw: dict[str, Any], key: str, check: GrammarChecker | None) -> str | None:
     value = raw.get(key)
     if value is None:
         return None
     if not isinstance(value, dict):
         raise BadRequest(f"{key} must be a map (a JSON schema)")
+    if nesting(value) > MAX_SCHEMA_DEPTH:
+        raise BadRequest(f"{key} nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         text = canonical_schema(value)
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(f"{key} is not JSON-serialisable: {exc}") from None
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise BadRequest(f"{key} is not JSON-serialisable: {type(exc).__name__}") from None
     if len(text) > _MAX_GRAMMAR_CHARS:
         raise BadRequest(f"{key} is longer than {_MAX_GRAMMAR_CHARS} characters")
-    try:
-        grammar = schema_to_grammar(text)
-    except SamplerError as exc:
-        raise BadRequest(f"{key}: {exc}") from None
-    why = check_grammar(grammar)
+    why = check.schema_error(text) if check is not None else None
     if why is not None:
-        raise BadRequest(f"{key} gives an invalid grammar: {why}")
+        raise BadRequest(f"{key}: {why}")
     return text
 
 
-def get_sampling(args: dict[str, Any], name: str = "sampling") -> SamplerSpec | None:
+def nesting(value: Any) -> int:
+    """How deep maps and lists nest in ``value`` (a scalar is 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children if isinstance(child, dict | list | tuple))
+    return deepest
+
+
+def get_sampling(
+    args: dict[str, Any], name: str = "sampling", grammars: GrammarChecker | None = None
+) -> SamplerSpec | None:
     """``None`` (greedy) when absent; a validated spec otherwise.
 
     Every field is checked here and named in the error as ``sampling.<field>``;
     the grammar (or the schema's grammar) is parsed too. Only ``<token>``
     references in a grammar and ``logit_bias`` tokens beyond the vocabulary
-    are left to the chain build (``SamplerError``).
+    are left to the chain build (``SamplerError``). Without ``grammars`` the
+    grammar is only parsed when the chain is built (still ``bad_request``).
     """
     raw = args.get(name)
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise BadRequest(f"{name} must be a map")
-    unknown = sorted(set(raw) - _SAMPLING_KEYS)
+    unknown = sorted(str(k) for k in raw if k not in _SAMPLING_KEYS)
     if unknown:
-        raise BadRequest(f"{name}.{unknown[0]} is not a known sampling field")
+        raise BadRequest(f"{name}.{unknown[0][:64]} is not a known sampling field")
     # prefixed keys make every helper's message name the field as sampling.<field>
     p = {f"{name}.{k}": v for k, v in raw.items()}
     b = SamplerSpec()
@@ -258,8 +297,8 @@ def get_sampling(args: dict[str, Any], name: str = "sampling") -> SamplerSpec | 
     repeat_penalty = num("repeat_penalty", b.repeat_penalty, 0.0, 100.0)
     if repeat_penalty <= 0.0:
         raise BadRequest(f"{name}.repeat_penalty must be > 0 (1.0 disables it)")
-    grammar = _get_grammar(p, f"{name}.grammar")
-    json_schema = _get_json_schema(p, f"{name}.json_schema")
+    grammar = _get_grammar(p, f"{name}.grammar", grammars)
+    json_schema = _get_json_schema(p, f"{name}.json_schema", grammars)
     if grammar is not None and json_schema is not None:
         raise BadRequest(f"{name}.grammar and {name}.json_schema cannot both be given")
     return SamplerSpec(
@@ -292,3 +331,27 @@ def get_sampling(args: dict[str, Any], name: str = "sampling") -> SamplerSpec | 
         grammar=grammar,
         json_schema=json_schema,
     )
+
+
+def get_messages(args: dict[str, Any], max_chars: int) -> list[dict[str, str]]:
+    """Validate ``messages``: a non-empty list of ``{"role", "content"}`` strings."""
+    messages = args.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"messages has more than {MAX_MESSAGES} entries")
+    out: list[dict[str, str]] = []
+    total = 0
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequest(f"messages[{i}] must be a map")
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str) or not 0 < len(role) <= 64:
+            raise BadRequest(f"messages[{i}].role must be a non-empty string")
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string")
+        total += len(content)
+        if total > max_chars:
+            raise BadRequest(f"messages are longer than {max_chars} characters")
+        out.append({"role": role, "content": content})
+    return out

@@ -2,19 +2,18 @@
 
 from .batch import OutputMode, Segment
 from .model import ROW_INVARIANT_ROWS, DecodeStatus, Engine, EngineConfig, EngineError
-from .sampling import DEFAULT_SEED, Sampler, SamplerError, SamplerSpec, greedy_token
+from .sampling import LlamaGrammars, Sampler, SamplerError, greedy_token
 
 __all__ = [
-    "DEFAULT_SEED",
     "ROW_INVARIANT_ROWS",
     "DecodeStatus",
     "Engine",
     "EngineConfig",
     "EngineError",
+    "LlamaGrammars",
     "OutputMode",
     "Sampler",
     "SamplerError",
-    "SamplerSpec",
     "Segment",
     "greedy_token",
 ]

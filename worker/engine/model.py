@@ -2,8 +2,9 @@
 
 This is the only module family that touches ``llama_cpp``. Everything above
 talks to ``Engine``: tokenize, ``decode(segments)`` (one ``llama_decode``),
-logits rows as zero-copy numpy views, and the per-sequence memory ops the
-runtime needs (pos_max, rm, clear, state get/set).
+``logits_row`` as zero-copy numpy views (``output_index`` finds a token's
+row), and the per-sequence memory ops the runtime needs (``pos_max``,
+``seq_rm``, ``seq_clear``, ``state_get`` / ``state_set``).
 
 Choices that matter:
 - ``swa_full=True``: Gemma 3 uses sliding-window attention; a windowed cache
@@ -187,8 +188,8 @@ class Engine:
     def decode(self, segments: Sequence[Segment]) -> DecodeStatus:
         """Run ONE ``llama_decode`` over all segments.
 
-        After success, ``logits(seg_index, k)`` reads the rows the segments
-        asked for. On failure the caller must reconcile positions from
+        After success, ``logits_row(output_index(seg_index, k))`` reads the
+        rows the segments asked for. On failure the caller must reconcile positions from
         ``pos_max`` (llama.cpp keeps ubatches that completed).
         """
         n = self._batch.fill(segments)

@@ -31,14 +31,12 @@ grammar, mirostat). Prompt tokens are not, unless the caller feeds them with
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
 import re
 import tempfile
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -46,123 +44,13 @@ import llama_cpp as ll
 import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+from ..spec import SamplerSpec
 from .model import Engine
-
-DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: pick a random seed
-
-SAMPLER_NAMES = (
-    "penalties",
-    "dry",
-    "top_n_sigma",
-    "top_k",
-    "typ_p",
-    "top_p",
-    "min_p",
-    "xtc",
-    "temperature",
-)
-DEFAULT_SAMPLERS = SAMPLER_NAMES  # llama.cpp's common sampler order
-DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
-MAX_LOGIT_BIAS = 256
 
 
 class SamplerError(ValueError):
     """The sampling parameters cannot be built into a chain (bad grammar,
     token outside the vocabulary) or no token satisfies them."""
-
-
-@dataclass(frozen=True)
-class SamplerSpec:
-    """Validated sampling parameters; defaults are llama.cpp's (common.h).
-
-    Hashable and comparable: lists are tuples, ``json_schema`` is canonical
-    JSON text. ``penalty_last_n`` / ``dry_penalty_last_n`` of -1 mean the
-    session's whole context.
-    """
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int = DEFAULT_SEED
-    typical_p: float = 1.0
-    top_n_sigma: float = -1.0
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = 64
-    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    ignore_eos: bool = False
-    samplers: tuple[str, ...] = DEFAULT_SAMPLERS
-    grammar: str | None = None
-    json_schema: str | None = None
-
-    @property
-    def penalties_active(self) -> bool:
-        return (
-            "penalties" in self.samplers
-            and self.penalty_last_n != 0
-            and (
-                self.repeat_penalty != 1.0
-                or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0
-            )
-        )
-
-    @property
-    def dry_active(self) -> bool:
-        return (
-            "dry" in self.samplers
-            and self.dry_multiplier != 0.0
-            and self.dry_base >= 1.0
-            and self.dry_penalty_last_n != 0
-        )
-
-    @property
-    def constrained(self) -> bool:
-        return self.grammar is not None or self.json_schema is not None
-
-    @property
-    def modifies_logits(self) -> bool:
-        """Anything that can move the argmax of the raw logits."""
-        return bool(
-            self.logit_bias
-            or self.ignore_eos
-            or self.constrained
-            or self.penalties_active
-            or self.dry_active
-        )
-
-    @property
-    def greedy(self) -> bool:
-        """True only when the token is exactly the argmax of the raw logits."""
-        if self.modifies_logits:
-            return False
-        if self.temperature <= 0.0:
-            return True
-        if self.mirostat != 0 or self.top_k != 1 or "top_k" not in self.samplers:
-            return False
-        # typical and xtc may drop the most likely token before top_k sees it
-        before = self.samplers[: self.samplers.index("top_k")]
-        if "typ_p" in before and self.typical_p < 1.0:
-            return False
-        return not ("xtc" in before and self._xtc_active)
-
-    @property
-    def _xtc_active(self) -> bool:
-        return self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5
 
 
 def greedy_token(engine: Engine, batch_row: int) -> int:
@@ -223,6 +111,21 @@ def check_grammar(text: str) -> str | None:
     if "<" in text:
         return None
     return why
+
+
+class LlamaGrammars:
+    """The engine's ``GrammarChecker`` (see ``worker/spec.py``), for validation."""
+
+    def grammar_error(self, text: str) -> str | None:
+        return check_grammar(text)
+
+    def schema_error(self, schema_json: str) -> str | None:
+        try:
+            grammar = schema_to_grammar(schema_json)
+        except SamplerError as exc:
+            return str(exc)
+        why = check_grammar(grammar)
+        return None if why is None else f"gives an invalid grammar: {why}"
 
 
 # -- per-engine data ------------------------------------------------------------
@@ -491,8 +394,3 @@ class Sampler:
             ll.llama_sampler_free(self._grammar)
             self._grammar = None
             self._history = []
-
-
-def canonical_schema(schema: dict[str, Any]) -> str:
-    """JSON text of a schema, stable for equal schemas."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))

@@ -1,38 +1,20 @@
-"""The single-threaded runtime: lanes, sessions, positions, forwards."""
+"""The single-threaded runtime: lanes, sessions, positions, forwards.
 
-from .errors import (
-    Cancelled,
-    ContextOverflow,
-    DeadlineExceeded,
-    EngineFault,
-    InternalFault,
-    InvalidArgument,
-    LanesBusy,
-    PositionMismatch,
-    QueueFull,
-    RuntimeFault,
-    SessionNotActive,
-    Unsupported,
-)
-from .lanes import LanePool, Session
+Failures are raised as the typed errors of ``faults`` (each carries its code;
+the runtime itself knows nothing of the wire).
+"""
+
+from .draft import DraftRuntime
+from .lanes import Ephemeral, LanePool, Session, SessionId
 from .state import RuntimeState, Step, StepResult
 
 __all__ = [
-    "Cancelled",
-    "ContextOverflow",
-    "DeadlineExceeded",
-    "EngineFault",
-    "InternalFault",
-    "InvalidArgument",
+    "DraftRuntime",
+    "Ephemeral",
     "LanePool",
-    "LanesBusy",
-    "PositionMismatch",
-    "QueueFull",
-    "RuntimeFault",
     "RuntimeState",
     "Session",
-    "SessionNotActive",
+    "SessionId",
     "Step",
     "StepResult",
-    "Unsupported",
 ]

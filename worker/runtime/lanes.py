@@ -14,14 +14,31 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import LanesBusy, SessionNotActive
+from faults import LanesBusy, SessionNotActive
 
 SIGNAL_HISTORY = 4096
 
 
+@dataclass(frozen=True)
+class Ephemeral:
+    """The id of a session a sessionless ``generate`` runs in.
+
+    Peers name sessions with strings; an ephemeral id is not a string, so no
+    peer can name (join, trim or drop) another client's internal session.
+    """
+
+    n: int
+
+    def __str__(self) -> str:
+        return f"~gen-{self.n}"
+
+
+SessionId = str | Ephemeral
+
+
 @dataclass
 class Session:
-    id: str
+    id: SessionId
     lane: int
     position: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -30,17 +47,16 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     last_token: int | None = None
     pending: list[int] = field(default_factory=list)  # shown by generate, not yet fed
-    # Named sessions keep per-token signals (worker/signals.py) for `signal`.
+    # Named sessions keep per-token signals (runtime/signals.py) for `signal`.
     signals: deque[Any] = field(default_factory=lambda: deque(maxlen=SIGNAL_HISTORY))
     last_logprobs: dict[str, Any] | None = None
-    last_logits: Any = None  # numpy copy of the last sampled row (signals)
 
 
 class LanePool:
     def __init__(self, n_lanes: int) -> None:
         self.n_lanes = n_lanes
         self._free: list[int] = list(range(n_lanes))
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[SessionId, Session] = {}
 
     @property
     def free(self) -> int:
@@ -50,18 +66,18 @@ class LanePool:
     def active(self) -> int:
         return len(self.sessions)
 
-    def get(self, session_id: str) -> Session | None:
+    def get(self, session_id: SessionId) -> Session | None:
         return self.sessions.get(session_id)
 
-    def require(self, session_id: str) -> Session:
+    def require(self, session_id: SessionId) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
-            raise SessionNotActive(f"session {session_id!r} is not active")
+            raise SessionNotActive(f"session {str(session_id)!r} is not active")
         return session
 
-    def missing(self, session_ids: Iterable[str]) -> list[str]:
+    def missing(self, session_ids: Iterable[SessionId]) -> list[SessionId]:
         """Sessions among ``session_ids`` that would need a new lane."""
-        seen: set[str] = set()
+        seen: set[SessionId] = set()
         out = []
         for sid in session_ids:
             if sid not in self.sessions and sid not in seen:
@@ -69,7 +85,7 @@ class LanePool:
                 out.append(sid)
         return out
 
-    def admit(self, session_ids: Iterable[str], ephemeral: bool = False) -> list[Session]:
+    def admit(self, session_ids: Iterable[SessionId], ephemeral: bool = False) -> list[Session]:
         """Admit every new session or none; return all named sessions in order."""
         ids = list(session_ids)
         new = self.missing(ids)
@@ -84,7 +100,7 @@ class LanePool:
             self.sessions[sid] = Session(sid, lane, ephemeral=ephemeral)
         return [self.sessions[sid] for sid in ids]
 
-    def release(self, session_id: str) -> Session:
+    def release(self, session_id: SessionId) -> Session:
         session = self.require(session_id)
         del self.sessions[session_id]
         self._free.append(session.lane)

@@ -21,14 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import Engine, Sampler, SamplerError, SamplerSpec, Segment, greedy_token
-from .errors import (
-    ContextOverflow,
-    EngineFault,
-    InvalidArgument,
-    PositionMismatch,
-)
-from .lanes import LanePool, Session
+from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch
+
+from ..engine import Engine, Sampler, SamplerError, Segment, greedy_token
+from ..spec import SamplerSpec
+from .lanes import Ephemeral, LanePool, Session, SessionId
 from .signals import logprobs_of, signal_of
 
 
@@ -55,7 +52,7 @@ class StepResult:
     logits: np.ndarray | None = None
     rows: list[int] | None = None  # batch rows of every token (``all_rows``)
     logprobs: dict[str, Any] | None = None
-    error: InvalidArgument | None = None  # this step's sampling failed
+    error: BadRequest | None = None  # this step's sampling failed
 
 
 class RuntimeState:
@@ -69,33 +66,33 @@ class RuntimeState:
 
     # -- admission and lifecycle ------------------------------------------
 
-    def admit(self, session_ids: Sequence[str], ephemeral: bool = False) -> list[Session]:
+    def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]:
         return self.lanes.admit(session_ids, ephemeral)
 
-    def drop(self, session_id: str) -> None:
+    def drop(self, session_id: SessionId) -> None:
         session = self.lanes.require(session_id)
         self.engine.seq_clear(session.lane)
         if session.sampler is not None:
             session.sampler.free()
         self.lanes.release(session_id)
 
-    def trim(self, session_id: str, token_count: int) -> int:
+    def trim(self, session_id: SessionId, token_count: int) -> int:
         """Drop KV at and beyond ``token_count``; the session ends there."""
         session = self.lanes.require(session_id)
         if token_count > session.position:
-            raise InvalidArgument(
-                f"cannot trim session {session_id!r} at {session.position} forward to {token_count}"
+            raise BadRequest(
+                f"cannot trim session {str(session_id)!r} at {session.position} "
+                f"forward to {token_count}"
             )
         if not self.engine.seq_rm(session.lane, token_count, -1):
             raise EngineFault(f"llama.cpp refused to trim lane {session.lane}", {})
         session.position = token_count
         session.pending = []
         del session.tokens[token_count:]
-        session.last_logits = None
         self.check_position(session)
         return session.position
 
-    def align(self, session_id: str, token_count: int) -> tuple[int | None, int | None]:
+    def align(self, session_id: SessionId, token_count: int) -> tuple[int | None, int | None]:
         """Trim only when the session is ahead of ``token_count``."""
         session = self.lanes.require(session_id)
         before = session.position
@@ -107,14 +104,14 @@ class RuntimeState:
         engine_pos = self.engine.pos_max(session.lane) + 1
         if engine_pos != session.position:
             raise PositionMismatch(
-                f"session {session.id!r} on lane {session.lane}: tracked position "
+                f"session {str(session.id)!r} on lane {session.lane}: tracked position "
                 f"{session.position} != engine position {engine_pos}"
             )
 
     def ensure_room(self, session: Session, n_tokens: int) -> None:
         if session.position + n_tokens > self.ctx_per_lane:
             raise ContextOverflow(
-                f"session {session.id!r} at {session.position} + {n_tokens} tokens exceeds "
+                f"session {str(session.id)!r} at {session.position} + {n_tokens} tokens exceeds "
                 f"its {self.ctx_per_lane} context cells"
             )
 
@@ -132,7 +129,7 @@ class RuntimeState:
             try:
                 token = self.sampler_for(session, spec).sample(row)
             except SamplerError as exc:
-                raise InvalidArgument(f"sampling: {exc}") from exc
+                raise BadRequest(f"sampling: {exc}") from exc
         session.last_token = token
         if not session.ephemeral or top_logprobs is not None:
             logits = self.engine.logits_row(row)
@@ -151,7 +148,7 @@ class RuntimeState:
             try:
                 session.sampler = Sampler(self.engine, spec)
             except SamplerError as exc:
-                raise InvalidArgument(f"sampling: {exc}") from exc
+                raise BadRequest(f"sampling: {exc}") from exc
         sampler: Sampler = session.sampler
         return sampler
 
@@ -188,7 +185,7 @@ class RuntimeState:
             result = StepResult()
             try:
                 self._sample_step(index, step, result)
-            except InvalidArgument as exc:
+            except BadRequest as exc:
                 result.error = exc
             results.append(result)
         for step in steps:
@@ -223,7 +220,7 @@ class RuntimeState:
                 )
             session.tokens.extend(step.tokens[: engine_pos - lo])
             session.position = engine_pos
-            advanced[session.id] = engine_pos
+            advanced[str(session.id)] = engine_pos
             self.tokens_evaluated += engine_pos - lo
         raise EngineFault(f"llama_decode failed: {why}", advanced)
 
@@ -237,7 +234,8 @@ class RuntimeState:
                 "idle": self.lanes.free,
             },
             "sessions": [
-                {"lane": s.lane, "session": s.id, "position": s.position}
+                {"lane": s.lane, "session": str(s.id), "position": s.position}
+                | ({"ephemeral": True} if isinstance(s.id, Ephemeral) else {})
                 for s in sorted(self.lanes.sessions.values(), key=lambda s: s.lane)
             ],
             "tokens_evaluated": self.tokens_evaluated,

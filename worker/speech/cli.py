@@ -17,7 +17,8 @@ from types import FrameType
 
 import zmq
 
-from worker import logs
+from edge import EdgeConfig, EdgeServer, logs
+from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, SocketOptions
 
 from . import DEFAULT_BIND
 from .engine import (
@@ -27,7 +28,7 @@ from .engine import (
     default_threads,
     resolve_voice_path,
 )
-from .server import SpeechServer
+from .server import SpeechService
 
 ENV_PREFIX = "SKIFF_SPEECH_"
 
@@ -97,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
         "at most 4: %(default)s)",
     )
     parser.add_argument(
+        "--max-message-bytes",
+        type=_positive,
+        default=_env_int(parser, "MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES),
+        help="largest ZeroMQ frame a peer may send; a larger one drops its connection "
+        "(env SKIFF_SPEECH_MAX_MESSAGE_BYTES; default %(default)s)",
+    )
+    parser.add_argument(
+        "--send-hwm",
+        type=_positive,
+        default=_env_int(parser, "SEND_HWM", 1000),
+        help="messages queued for one peer before it counts as not reading and its "
+        "work is dropped (env SKIFF_SPEECH_SEND_HWM; default %(default)s)",
+    )
+    parser.add_argument(
         "--log-format",
         choices=logs.LOG_FORMATS,
         default=_env("LOG_FORMAT", "auto"),
@@ -136,8 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "voices loaded", voices=list(engine.voices), load_ms=round(1000 * (time.monotonic() - t0))
     )
 
+    service = SpeechService(engine, args.max_chars, args.max_queue)
+    edge_cfg = EdgeConfig(
+        bind=args.bind,
+        max_header_bytes=service.max_header_bytes,
+        socket=SocketOptions(max_message_bytes=args.max_message_bytes, sndhwm=args.send_hwm),
+        drain_max=1000,  # requests read per pass, so a flood cannot starve synthesis
+    )
     try:
-        server = SpeechServer(engine, args.bind, args.max_chars, args.max_queue)
+        server = EdgeServer(edge_cfg, service)
     except zmq.ZMQError as exc:
         log.error("cannot bind", endpoint=args.bind, error=str(exc))
         return 2
@@ -147,7 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    server.serve_forever()
+    log.info("speech worker ready", endpoint=server.endpoint, voices=list(engine.voices))
+    try:
+        server.serve_forever()
+        server.deliver(service.shutdown())
+    finally:
+        server.close()
+        log.info("speech worker stopped")
     return 0
 
 

@@ -1,15 +1,21 @@
-"""The speech worker's ROUTER loop: one thread, one synthesis at a time.
+"""The speech worker as an edge service: one synthesis chunk per turn.
 
-Each loop turn drains every waiting request without blocking (ping, info,
-stats and cancel are answered on the spot; synthesize is validated and
-queued), then synthesizes at most one sentence chunk of the running job. So
-ping and cancel wait at most one chunk, never a whole text.
+It runs on the same ``EdgeServer`` as the LLM worker. Each pass drains every
+waiting request without blocking (ping, info, stats and cancel are answered
+on the spot; synthesize is validated and queued), then synthesizes at most
+one sentence chunk of the running job. So ping and cancel wait at most one
+chunk, never a whole text.
 
 Cancellation: ``cancel {"id": N}`` answers ``{"cancelled": true}`` when
 request N of the same peer was queued or running; that request then ends
 with an ``ok: false`` reply of code ``cancelled`` (after any audio events it
 already sent) and no ``done`` event. A stream therefore ends with either a
 ``done: true`` event or an error reply.
+
+A peer that vanished or stopped reading (its send queue is full) is
+reported by the edge after the turn's sends; all its jobs, queued or
+running, are dropped without a reply, so a client that never reads cannot
+make the worker synthesize (or block) for it.
 
 Queueing: at most ``max_queue`` synthesize requests wait (one more may be
 running); beyond that the reply is ``queue_full`` with ``retry_after_ms``
@@ -18,77 +24,25 @@ estimated from the work ahead.
 
 from __future__ import annotations
 
-import errno
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
+from structlog import get_logger
 
-from protocol import codec
-from protocol.envelope import VERSION, ErrorCode, error_reply, event_reply, ok_reply
-from worker import logs
+from edge import Handler, Outgoing, Request, failure_header, logs
+from faults import BadRequest, Cancelled, Fault, LimitExceeded, QueueFull
+from protocol.envelope import Op, event_reply, ok_reply
 
 from . import FORMATS, audio
 from .engine import MAX_CHUNK_CHARS, MAX_SPEED, MIN_SPEED, Engine, split_sentences
 
-log = logs.get_logger("skiff.speech")
+log = get_logger("skiff.speech")
 
-IDLE_POLL_MS = 100
-MAX_DRAIN = 1000  # requests read per turn, so a flood cannot starve synthesis
 _SYNTH_ARGS = frozenset({"text", "voice", "format", "speed", "stream", "max_seconds"})
-
-
-class RequestError(Exception):
-    """A request failed with a stable wire code; the worker goes on."""
-
-    code = ErrorCode.INTERNAL
-
-    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.retry_after_ms = retry_after_ms
-
-
-class BadRequest(RequestError):
-    code = ErrorCode.BAD_REQUEST
-
-
-class UnknownOp(RequestError):
-    code = ErrorCode.UNKNOWN_OP
-
-
-class UnsupportedVersion(RequestError):
-    code = ErrorCode.UNSUPPORTED_VERSION
-
-
-class PayloadTooLarge(RequestError):
-    code = ErrorCode.PAYLOAD_TOO_LARGE
-
-
-class QueueFull(RequestError):
-    code = ErrorCode.QUEUE_FULL
-
-
-class LimitExceeded(RequestError):
-    code = ErrorCode.LIMIT_EXCEEDED
-
-
-class Cancelled(RequestError):
-    code = ErrorCode.CANCELLED
-
-
-@dataclass
-class Request:
-    """One decoded request and the peer it came from."""
-
-    peer: bytes
-    req_id: int | None
-    op: str
-    args: dict[str, Any]
 
 
 @dataclass
@@ -135,119 +89,85 @@ class Counters:
     synth_seconds: float = 0.0
 
 
-Handler = Callable[[Request], dict[str, Any] | None]
+class SpeechService:
+    """Owns the job queue and the engine; the edge owns the socket."""
 
-
-class SpeechServer:
-    """Owns the ROUTER socket, the job queue and the engine."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        bind: str,
-        max_chars: int = 5000,
-        max_queue: int = 16,
-        context: zmq.Context[Any] | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine, max_chars: int = 5000, max_queue: int = 16) -> None:
         self.engine = engine
         self.max_chars = max_chars
         self.max_queue = max_queue
         self.max_header_bytes = 64 * 1024 + 4 * max_chars
-        self.sock: zmq.Socket[Any] = (context or zmq.Context.instance()).socket(zmq.ROUTER)
-        # Mandatory routing makes a send to a vanished peer raise, so we can
-        # drop its job instead of synthesizing audio nobody will read.
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(bind)
-        self.endpoint = bind
         self.queue: deque[Job] = deque()
         self.current: Job | None = None
         self.jobs: dict[tuple[bytes, int], Job] = {}
         self.counters = Counters()
         self.started = time.monotonic()
         self.ms_per_char = 5.0  # EWMA of synthesis cost, for retry_after_ms
-        self._stopping = False
-        self.handlers: dict[str, Handler] = {
-            "ping": self._ping,
-            "info": self._info,
-            "stats": self._stats,
-            "cancel": self._cancel,
-            "synthesize": self._synthesize,
+        self._out: list[Outgoing] = []
+        table: dict[str, Handler] = {
+            Op.PING: self._ping,
+            Op.INFO: self._info,
+            Op.STATS: self._stats,
+            Op.CANCEL: self._cancel,
+            Op.SYNTHESIZE: self._synthesize,
         }
+        self._handlers = {op: self._counted(fn) for op, fn in table.items()}
 
-    # -- loop ---------------------------------------------------------------
+    def _counted(self, fn: Handler) -> Handler:
+        """A handler that counts requests, and failed ones, for ``stats``."""
 
-    def serve_forever(self) -> None:
-        """Run turns until ``stop``; pending jobs then end as ``cancelled``."""
-        log.info("speech worker ready", endpoint=self.endpoint, voices=list(self.engine.voices))
-        try:
-            while not self._stopping:
-                self.turn()
-        finally:
-            self._shutdown()
+        def handle(req: Request) -> dict[str, Any] | None:
+            self.counters.requests += 1
+            try:
+                return fn(req)
+            except QueueFull:
+                raise
+            except Exception:
+                self.counters.errors += 1
+                raise
 
-    def stop(self) -> None:
-        """Ask the loop to exit after the current turn (signal-safe)."""
-        self._stopping = True
+        return handle
 
-    def turn(self) -> None:
-        """Drain the socket, then synthesize at most one chunk."""
-        idle = self.current is None and not self.queue
-        if self.sock.poll(IDLE_POLL_MS if idle else 0, zmq.POLLIN):
-            self._drain()
+    # -- the edge's Service protocol -------------------------------------------
+
+    @property
+    def handlers(self) -> Mapping[str, Handler]:
+        return self._handlers
+
+    def has_work(self) -> bool:
+        return self.current is not None or bool(self.queue)
+
+    def turn(self) -> list[Outgoing]:
+        """End cancelled queued jobs, then synthesize at most one chunk."""
         self._reap_cancelled()
         if self.current is not None or self.queue:
             self._step()
+        out, self._out = self._out, []
+        return out
 
-    def _drain(self) -> None:
-        for _ in range(MAX_DRAIN):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle(frames)
+    def peer_lost(self, peer: bytes, reason: str) -> int:
+        """Drop every job of a peer that vanished or stopped reading, unanswered."""
+        lost = [j for j in self.jobs.values() if j.peer == peer]
+        for job in lost:
+            if job in self.queue:
+                self.queue.remove(job)
+            self._finish(job)
+            self.counters.dropped += 1
+        return len(lost)
+
+    def housekeeping(self, now: float) -> None:
+        return None
+
+    def shutdown(self) -> list[Outgoing]:
+        """End queued and running jobs as ``cancelled``; the replies to send."""
+        pending = ([self.current] if self.current else []) + list(self.queue)
+        self.queue.clear()
+        for job in pending:
+            self._end(job, Cancelled("worker shutting down"))
+        out, self._out = self._out, []
+        return out
 
     # -- requests -----------------------------------------------------------
-
-    def _handle(self, frames: Sequence[zmq.Frame]) -> None:
-        """Decode, dispatch and answer one request; never raises."""
-        peer = frames[0].bytes
-        req_id: int | None = None
-        op: Any = None
-        self.counters.requests += 1
-        try:
-            if len(frames) < 2:
-                raise BadRequest("message has no header frame")
-            try:
-                header = codec.decode(frames[1].buffer, max_bytes=self.max_header_bytes)
-            except codec.HeaderTooLarge as exc:
-                raise PayloadTooLarge(str(exc)) from exc
-            except codec.CodecError as exc:
-                raise BadRequest(str(exc)) from exc
-            raw_id = header.get("id")
-            req_id = raw_id if isinstance(raw_id, int) and not isinstance(raw_id, bool) else None
-            op = header.get("op")
-            logs.bind_request(req_id, op, None)
-            if header.get("v") != VERSION:
-                raise UnsupportedVersion(
-                    f"version {header.get('v')!r}; this worker speaks {VERSION}"
-                )
-            handler = self.handlers.get(op) if isinstance(op, str) else None
-            if handler is None:
-                raise UnknownOp(f"unknown op {op!r}; known: {sorted(self.handlers)}")
-            args = header.get("args") or {}
-            if not isinstance(args, dict):
-                raise BadRequest("args must be a map")
-            result = handler(Request(peer, req_id, op, args))
-            if result is not None:
-                self._send(peer, ok_reply(req_id, result))
-        except RequestError as exc:
-            self._fail(peer, req_id, exc)
-        except Exception as exc:
-            log.exception("request failed")
-            self._fail(peer, req_id, RequestError(f"{type(exc).__name__}: {exc}"))
-        finally:
-            logs.clear_request()
 
     def _ping(self, req: Request) -> dict[str, Any]:
         return {"pong": True}
@@ -294,10 +214,10 @@ class SpeechServer:
         job.cancelled = True  # ended by the next turn, before any further chunk
         return {"cancelled": True}
 
-    def _synthesize(self, req: Request) -> None:
+    def _synthesize(self, req: Request) -> dict[str, Any] | None:
         job = self._validate(req)
         if job.key in self.jobs:
-            raise BadRequest(f"request id {req.req_id} is already in flight")
+            raise BadRequest(f"request id {req.id} is already in flight")
         if len(self.queue) >= self.max_queue:
             self.counters.rejected += 1
             raise QueueFull(f"{len(self.queue)} requests already queued", self._retry_after_ms())
@@ -309,23 +229,21 @@ class SpeechServer:
     def _validate(self, req: Request) -> Job:
         """Check synthesize args at the edge; every failure is ``bad_request``."""
         args = req.args
-        req_id = req.req_id
-        if req_id is None:
-            raise BadRequest("synthesize needs an integer request id")
-        unknown = set(args) - _SYNTH_ARGS
+        req_id = req.id
+        unknown = sorted(repr(k)[:64] for k in args if k not in _SYNTH_ARGS)
         if unknown:
-            raise BadRequest(f"unknown arguments {sorted(unknown)}")
+            raise BadRequest(f"unknown arguments {unknown[:8]}")
         text = args.get("text")
         if not isinstance(text, str) or not text.strip():
             raise BadRequest("text must be a non-empty string")
         if len(text) > self.max_chars:
             raise BadRequest(f"text is {len(text)} chars; the limit is {self.max_chars}")
         voice = args.get("voice", self.engine.default_voice)
-        if voice not in self.engine.voices:
-            raise BadRequest(f"unknown voice {voice!r}; known: {list(self.engine.voices)}")
+        if not isinstance(voice, str) or voice not in self.engine.voices:
+            raise BadRequest(f"unknown voice; known: {list(self.engine.voices)}")
         fmt = args.get("format", "wav")
-        if fmt not in FORMATS:
-            raise BadRequest(f"unsupported format {fmt!r}; supported: {list(FORMATS)}")
+        if not isinstance(fmt, str) or fmt not in FORMATS:
+            raise BadRequest(f"unsupported format; supported: {list(FORMATS)}")
         speed = _number(args.get("speed", 1.0), "speed")
         if not MIN_SPEED <= speed <= MAX_SPEED:
             raise BadRequest(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}]")
@@ -380,11 +298,10 @@ class SpeechServer:
                 self._synth_chunk(job)
             if self.current is job and job.next_chunk >= len(job.chunks):
                 self._complete(job)
-        except RequestError as exc:
+        except Exception as exc:  # a Fault carries its code; anything else is internal
+            if not isinstance(exc, Fault):
+                log.exception("synthesis failed")
             self._end(job, exc)
-        except Exception as exc:
-            log.exception("synthesis failed")
-            self._end(job, RequestError(f"{type(exc).__name__}: {exc}"))
         finally:
             logs.clear_request()
 
@@ -410,8 +327,7 @@ class SpeechServer:
             return
         event = {"event": "audio", "seq": job.seq, "samples": len(samples)}
         job.seq += 1
-        if not self._send(job.peer, event_reply(job.req_id, event), [audio.pcm_buffer(samples)]):
-            self._drop(job)
+        self._send(job.peer, event_reply(job.req_id, event), [audio.pcm_buffer(samples)])
 
     def _complete(self, job: Job) -> None:
         now = time.monotonic()
@@ -448,17 +364,15 @@ class SpeechServer:
         result["bytes"] = buffer.nbytes
         self._send(job.peer, ok_reply(job.req_id, result), [buffer])
 
-    def _end(self, job: Job, exc: RequestError) -> None:
+    def _end(self, job: Job, exc: BaseException) -> None:
         """End a queued or running job with an error reply."""
         self._finish(job)
-        log.info("synthesis ended", code=str(exc.code), reason=exc.message)
-        self._fail(job.peer, job.req_id, exc)
-
-    def _drop(self, job: Job) -> None:
-        """The peer is gone: stop work for it without replying."""
-        self._finish(job)
-        self.counters.dropped += 1
-        log.warning("peer gone; synthesis dropped")
+        if isinstance(exc, Cancelled):
+            self.counters.cancelled += 1
+        else:
+            self.counters.errors += 1
+        log.info("synthesis ended", error=f"{type(exc).__name__}: {exc}")
+        self._out.append(Outgoing(job.peer, failure_header(job.req_id, exc, "synthesize")))
 
     def _finish(self, job: Job) -> None:
         self.jobs.pop(job.key, None)
@@ -466,33 +380,8 @@ class SpeechServer:
         if self.current is job:
             self.current = None
 
-    def _shutdown(self) -> None:
-        pending = ([self.current] if self.current else []) + list(self.queue)
-        self.queue.clear()
-        for job in pending:
-            self._end(job, Cancelled("worker shutting down"))
-        self.sock.close(linger=0)
-        log.info("speech worker stopped")
-
-    # -- replies ------------------------------------------------------------
-
-    def _fail(self, peer: bytes, req_id: int | None, exc: RequestError) -> None:
-        if exc.code == ErrorCode.CANCELLED:
-            self.counters.cancelled += 1
-        elif exc.code != ErrorCode.QUEUE_FULL:
-            self.counters.errors += 1
-        log.debug("error reply", code=str(exc.code), reason=exc.message)
-        self._send(peer, error_reply(req_id, exc.code, exc.message, exc.retry_after_ms))
-
-    def _send(self, peer: bytes, header: dict[str, Any], buffers: Sequence[Any] = ()) -> bool:
-        """Send one reply; False when the peer has disconnected."""
-        try:
-            self.sock.send_multipart([peer, codec.encode(header), *buffers], copy=False)
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EHOSTUNREACH:
-                log.error("send failed", error=str(exc))
-            return False
-        return True
+    def _send(self, peer: bytes, header: dict[str, Any], buffers: list[Any] | None = None) -> None:
+        self._out.append(Outgoing(peer, header, buffers or []))
 
 
 def _number(value: Any, name: str) -> float:

@@ -1,0 +1,18 @@
+"""The edge every skiff process shares: the ROUTER loop, envelope checks,
+typed error -> code, non-blocking sends, and logging set-up.
+
+It imports ``protocol`` and ``faults`` only, never ``worker``, so the gateway
+and other client-side processes can run on it too.
+"""
+
+from .server import EdgeConfig, EdgeServer, Handler, Outgoing, Request, Service, failure_header
+
+__all__ = [
+    "EdgeConfig",
+    "EdgeServer",
+    "Handler",
+    "Outgoing",
+    "Request",
+    "Service",
+    "failure_header",
+]

@@ -1,0 +1,324 @@
+"""The one ROUTER loop every skiff process runs (LLM worker, speech worker, gateway).
+
+Bytes in, typed requests to a service's op table; the service's typed
+answers, already rendered as ``Outgoing`` messages, out. The loop:
+
+1. waits in ``poll`` only when the service has no work;
+2. drains up to ``drain_max`` messages without blocking. Each is decoded
+   with size and depth caps; the envelope (``v``, ``id``, ``op``,
+   ``session``, ``args``, ``deadline_ms``) is checked for type and range
+   before any value is logged or used; the op's handler answers at once
+   (a result map) or takes the request on (``None``) and answers later
+   through the service's turn;
+3. runs one ``service.turn()`` (for the LLM worker: at most one forward) and
+   sends what it returns;
+4. sends with ``NOBLOCK`` on a ``ROUTER_MANDATORY`` socket: a vanished peer
+   (``EHOSTUNREACH``) or one that stopped reading (its queue is full,
+   ``EAGAIN``) is reported to ``service.peer_lost`` *after* the batch, so
+   the service cancels that peer's work without being re-entered mid-turn.
+
+Every failure becomes a reply with the code its ``faults`` class carries;
+anything else is ``internal``. Nothing a request does ends the loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
+
+from faults import (
+    BadRequest,
+    ErrorCode,
+    Fault,
+    PayloadTooLarge,
+    UnknownOp,
+    UnsupportedVersion,
+    code_of,
+)
+from protocol import codec, sockets
+from protocol.envelope import VERSION, error_reply, ok_reply
+
+from . import logs
+
+_log = logs.get_logger("skiff.edge")
+
+MAX_OP_CHARS = 64
+MAX_SESSION_CHARS = 256
+
+
+class _Undecodable(BadRequest):
+    """A header that parsed but may not be used; its id is still known."""
+
+    def __init__(self, message: str, req_id: int | None) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+
+
+@dataclass
+class Request:
+    """One request after the envelope checks: every field has its promised type."""
+
+    peer: bytes
+    id: int
+    op: str
+    session: str | None
+    args: dict[str, Any]
+    buffers: list[memoryview]
+    received: float
+    deadline: float | None  # monotonic seconds
+
+
+@dataclass
+class Outgoing:
+    """One message to send: ``[peer, header, *buffers]``."""
+
+    peer: bytes
+    header: dict[str, Any]
+    buffers: Sequence[Any] = ()
+
+
+# A handler answers at once (a result map) or takes the request on (None).
+Handler = Callable[[Request], dict[str, Any] | None]
+
+
+class Service(Protocol):
+    """What a process plugs into the edge."""
+
+    @property
+    def handlers(self) -> Mapping[str, Handler]: ...
+
+    def has_work(self) -> bool:
+        """True when ``turn`` has something to do (the loop then does not sleep)."""
+        ...
+
+    def turn(self) -> list[Outgoing]:
+        """One bounded unit of work; the messages it produced."""
+        ...
+
+    def peer_lost(self, peer: bytes, reason: str) -> int:
+        """Stop all work for ``peer``; returns how many requests were cancelled."""
+        ...
+
+    def housekeeping(self, now: float) -> None:
+        """Called about once a second (idle sessions, ...)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    bind: str
+    max_header_bytes: int = codec.DEFAULT_MAX_HEADER_BYTES
+    socket: sockets.SocketOptions = field(default_factory=sockets.SocketOptions)
+    drain_max: int = 256  # messages handled per pass before the service gets a turn
+    idle_poll_ms: int = 100
+
+
+def failure_header(req_id: int | None, exc: BaseException, op: str | None = None) -> dict[str, Any]:
+    """The error reply for ``exc``: its class's code, ``internal`` for anything else."""
+    code = code_of(exc)
+    if not isinstance(exc, Fault):
+        _log.error("unexpected_error", op=op, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+    message = (exc.message if isinstance(exc, Fault) else str(exc)) or type(exc).__name__
+    if code is not ErrorCode.CANCELLED:
+        _log.info("request_failed", code=str(code), message=message[:500])
+    retry = exc.retry_after_ms if isinstance(exc, Fault) else None
+    return error_reply(req_id, code, message, retry)
+
+
+class EdgeServer:
+    """Owns the ROUTER socket and runs ``service`` on it, one thread."""
+
+    def __init__(
+        self, cfg: EdgeConfig, service: Service, context: zmq.Context[Any] | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.service = service
+        self._zctx = context or zmq.Context.instance()
+        self.sock = sockets.router(self._zctx, cfg.bind, cfg.socket)
+        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.requests = 0
+        self.peers_lost = 0
+        self._stop = threading.Event()
+        self._last_housekeeping = time.monotonic()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to end after the current pass (signal-safe)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            self.run_once(poller)
+
+    def run_once(self, poller: zmq.Poller) -> None:
+        """One pass: wait (only when idle), drain, one service turn, housekeeping."""
+        busy = self.service.has_work()
+        if poller.poll(0 if busy else self.cfg.idle_poll_ms):
+            self._drain()
+        if self.service.has_work():
+            try:
+                out = self.service.turn()
+            except Exception:  # a service bug must not end the process
+                _log.exception("turn_crashed")
+                out = []
+            self.deliver(out)
+        now = time.monotonic()
+        if now - self._last_housekeeping >= 1.0:
+            self._last_housekeeping = now
+            try:
+                self.service.housekeeping(now)
+            except Exception:
+                _log.exception("housekeeping_crashed")
+
+    # -- receiving -------------------------------------------------------------
+
+    def _drain(self) -> None:
+        for _ in range(self.cfg.drain_max):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.requests += 1
+            peer = frames[0].bytes
+            try:
+                self._handle(peer, frames[1:])
+            except Exception as exc:  # belt and braces: nothing ends the loop
+                _log.exception("handle_crashed")
+                self.deliver([Outgoing(peer, failure_header(None, exc))])
+            finally:
+                logs.clear_request()
+
+    def _handle(self, peer: bytes, frames: Sequence[zmq.Frame]) -> None:
+        req_id: int | None = None
+        op: str | None = None
+        try:
+            if not frames:
+                raise BadRequest("message has no header frame")
+            try:
+                header = self._decode(frames[0])
+            except _Undecodable as exc:
+                req_id = exc.req_id
+                raise
+            raw_id = header.get("id")
+            if type(raw_id) is int:
+                req_id = raw_id
+            raw_op = header.get("op")
+            if type(raw_op) is str and len(raw_op) <= MAX_OP_CHARS:
+                op = raw_op
+            request = self._envelope(peer, header, req_id, op, frames)
+            logs.bind_request(request.id, request.op, request.session)
+            handler = self.service.handlers.get(request.op)
+            if handler is None:
+                raise UnknownOp(f"unknown op {request.op!r}")
+            result = handler(request)
+        except Exception as exc:
+            self.deliver([Outgoing(peer, failure_header(req_id, exc, op))])
+            return
+        if result is not None:
+            self.deliver([Outgoing(peer, ok_reply(req_id, result))])
+
+    def _decode(self, frame: zmq.Frame) -> dict[str, Any]:
+        try:
+            return codec.decode(frame.buffer, self.cfg.max_header_bytes)
+        except codec.HeaderTooLarge as exc:
+            raise PayloadTooLarge(str(exc)) from None
+        except codec.TooDeep as exc:
+            raise _Undecodable(str(exc), exc.req_id) from None
+        except codec.CodecError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _envelope(
+        self,
+        peer: bytes,
+        header: dict[str, Any],
+        req_id: int | None,
+        op: str | None,
+        frames: Sequence[zmq.Frame],
+    ) -> Request:
+        """Check every envelope field's type and range; nothing else is trusted."""
+        version = header.get("v")
+        if type(version) is not int or version != VERSION:
+            # 1.0 and true compare equal to 1 in Python; only the integer 1 is version 1.
+            raise UnsupportedVersion(f"protocol version must be the integer {VERSION}")
+        if req_id is None:
+            raise BadRequest("id must be an integer")
+        if op is None:
+            raise BadRequest(f"op must be a string of at most {MAX_OP_CHARS} characters")
+        session = header.get("session")
+        if session is not None and (
+            type(session) is not str or not 0 < len(session) <= MAX_SESSION_CHARS
+        ):
+            raise BadRequest(
+                f"session must be a non-empty string of at most {MAX_SESSION_CHARS} characters"
+            )
+        args = header.get("args")
+        if args is None:
+            args = {}
+        elif not isinstance(args, dict):
+            raise BadRequest("args must be a map")
+        received = time.monotonic()
+        deadline: float | None = None
+        deadline_ms = header.get("deadline_ms")
+        if deadline_ms is not None:
+            if type(deadline_ms) is not int or deadline_ms <= 0:
+                raise BadRequest("deadline_ms must be a positive integer")
+            deadline = received + deadline_ms / 1000
+        buffers = [f.buffer for f in frames[1:]]
+        return Request(peer, req_id, op, session, args, buffers, received, deadline)
+
+    # -- sending ---------------------------------------------------------------
+
+    def deliver(self, messages: Iterable[Outgoing]) -> None:
+        """Send each message; tell the service about peers lost on the way."""
+        lost: dict[bytes, str] = {}
+        for msg in messages:
+            if msg.peer in lost:
+                continue
+            reason = self._send(msg)
+            if reason is not None:
+                lost[msg.peer] = reason
+        for peer, reason in lost.items():
+            self.peers_lost += 1
+            try:
+                cancelled = self.service.peer_lost(peer, reason)
+            except Exception:
+                _log.exception("peer_lost_crashed")
+                cancelled = -1
+            _log.warning(reason, peer=peer.hex(), cancelled=cancelled)
+
+    def _send(self, msg: Outgoing) -> str | None:
+        """Send one message without blocking; the reason it could not be, or None."""
+        sock = self.sock
+        try:
+            payload = codec.encode(msg.header)  # before the first frame: never half a message
+        except Exception as exc:
+            _log.error("reply_unencodable", error=f"{type(exc).__name__}: {exc}")
+            payload = codec.encode(failure_header(msg.header.get("id"), exc))
+        try:
+            sock.send(msg.peer, zmq.SNDMORE | zmq.NOBLOCK)
+            if not msg.buffers:
+                sock.send(payload, zmq.NOBLOCK)
+                return None
+            sock.send(payload, zmq.SNDMORE | zmq.NOBLOCK)
+            for buf in msg.buffers[:-1]:
+                sock.send(buf, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
+            sock.send(msg.buffers[-1], zmq.NOBLOCK, copy=False)
+            return None
+        except zmq.Again:
+            return "peer_not_receiving"
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return "peer_gone"
+            _log.error("send_failed", error=str(exc))
+            return "send_failed"
