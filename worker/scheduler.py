@@ -167,7 +167,10 @@ class Scheduler:
         if queued and job.waits_for_lane:
             waited_ms = (now - job.ticket.received) * 1000
             if waited_ms > self.cfg.admission_timeout_ms:
-                return DeadlineExceeded(f"no lane within {self.cfg.admission_timeout_ms} ms")
+                return DeadlineExceeded(
+                    f"not started within {self.cfg.admission_timeout_ms} ms (no lane, or its "
+                    "session busy)"
+                )
         return None
 
     def _count_stop(self, reason: Fault) -> None:
@@ -177,16 +180,24 @@ class Scheduler:
             self.stats.expired += 1
 
     def _start_pending(self, now: float) -> None:
+        """Start queued jobs in order. A session's jobs run one at a time; and
+        once a generation waits for a lane, later jobs that need a new lane
+        wait behind it (or fail ``lanes_busy``), so a lane freed later in the
+        same pass goes to the earliest waiter, not to whoever comes next."""
         blocked: set[SessionId] = set(self.busy)
+        lanes_reserved = False
         for job in list(self.pending):
             if blocked.intersection(job.sessions):
                 blocked.update(job.sessions)
                 continue
             try:
+                if lanes_reserved and self.rt.lanes.missing(job.sessions):
+                    raise LanesBusy("every free lane is promised to a generation queued earlier")
                 finished = job.start(self.rt)
             except LanesBusy as exc:
                 if job.waits_for_lane:
                     blocked.update(job.sessions)
+                    lanes_reserved = True
                     continue
                 self.pending.remove(job)
                 self.stats.rejected += 1
@@ -216,7 +227,7 @@ class Scheduler:
         # a reshuffled batch measured ~35% slower per token. Prefill chunks
         # rotate instead, so no prompt is always last in line for the budget.
         stable = sorted(self.active, key=self._first_lane)
-        rotated = self._rotated(self.active)
+        rotated = self._rotated([j for j in self.active if j.phase > PHASE_ATOMIC])
         boosted = self._boost if self._boost in self.active else None
         self._boost = None
         if boosted is not None:
@@ -229,9 +240,11 @@ class Scheduler:
                     in_phase = True  # the starved atomic job goes before everyone
                 elif boosted is job:
                     continue
-                if not in_phase or budget <= 0:
+                if not in_phase:
                     continue
-                planned = job.plan(self.rt, budget)
+                # plan() with no budget left returns nothing, and an atomic job
+                # that could not run is boosted to go first next turn.
+                planned = job.plan(self.rt, max(0, budget))
                 if not planned:
                     if job.atomic and self._boost is None:
                         self._boost = job

@@ -1,0 +1,691 @@
+"""The continuous-batching policy of ``worker.scheduler`` against a fake runtime.
+
+No model and no sockets: ``FakeRuntime`` keeps real ``LanePool`` bookkeeping,
+moves positions like ``RuntimeState.forward`` does, samples a token that is a
+function of the position, and records every forward so the tests can read
+the batch composition and order of each turn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+
+from faults import (
+    BadRequest,
+    Cancelled,
+    ContextOverflow,
+    DeadlineExceeded,
+    EngineFault,
+    ErrorCode,
+    LanesBusy,
+    QueueFull,
+)
+from worker.generate import GenerateJob
+from worker.jobs import AtomicBatchJob, BatchEntry, DecodeJob, Job, PrefillJob, SessionOpJob
+from worker.runtime import Ephemeral, LanePool, Session, SessionId, Step, StepResult
+from worker.scheduler import Scheduler, SchedulerConfig
+from worker.spec import SamplerSpec
+from worker.ticket import Event, Failure, Outbox, Output, Result, Ticket
+
+# -- helpers -------------------------------------------------------------------
+
+J = TypeVar("J", bound=Job)
+EOG = 2  # the fake's end-of-generation token; sampled tokens are never this
+PEER = b"peer"
+
+
+def sampled_token(position: int) -> int:
+    """The token the fake samples once a session reaches ``position``."""
+    return 1000 + position
+
+
+class FakeEngine:
+    def piece(self, token: int) -> bytes:
+        return f"<{token}>".encode()
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOG
+
+    def tokenize(
+        self, text: str, add_special: bool = False, parse_special: bool = False
+    ) -> list[int]:
+        return ([1] if add_special else []) + [ord(c) for c in text]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One step of a recorded forward (a snapshot: Steps hold live sessions)."""
+
+    session: SessionId
+    tokens: tuple[int, ...]
+    sample: bool
+    all_rows: bool
+
+
+class FakeRuntime:
+    """What Scheduler and the jobs call on ``RuntimeState``, without llama.cpp."""
+
+    def __init__(self, n_lanes: int, ctx_per_lane: int = 256) -> None:
+        self.engine = FakeEngine()
+        self.lanes = LanePool(n_lanes)
+        self.ctx_per_lane = ctx_per_lane
+        self.calls: list[list[Row]] = []  # every forward, in order
+        self.fail_next = False  # the next forward raises EngineFault
+        self.step_error: SessionId | None = None  # sampling fails for this session
+
+    def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]:
+        return self.lanes.admit(session_ids, ephemeral)
+
+    def ensure_room(self, session: Session, n_tokens: int) -> None:
+        if session.position + n_tokens > self.ctx_per_lane:
+            raise ContextOverflow(f"{session.position} + {n_tokens} > {self.ctx_per_lane}")
+
+    def drop(self, session_id: SessionId) -> None:
+        self.lanes.release(session_id)
+
+    def trim(self, session_id: SessionId, token_count: int) -> int:
+        session = self.lanes.require(session_id)
+        if token_count > session.position:
+            raise BadRequest("cannot trim forward")
+        session.position = token_count
+        session.pending = []
+        del session.tokens[token_count:]
+        return token_count
+
+    def sample_row(
+        self, session: Session, spec: SamplerSpec | None, row: int, top_logprobs: int | None = None
+    ) -> int:
+        session.last_token = sampled_token(row)
+        return session.last_token
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        self.calls.append([Row(s.session.id, tuple(s.tokens), s.sample, s.all_rows) for s in steps])
+        if self.fail_next:
+            self.fail_next = False
+            raise EngineFault("injected decode failure", {})
+        for step in steps:
+            self.ensure_room(step.session, len(step.tokens))
+        results: list[StepResult] = []
+        row = 0
+        for step in steps:
+            session = step.session
+            session.position += len(step.tokens)
+            session.tokens.extend(step.tokens)
+            result = StepResult()
+            if step.all_rows:
+                result.rows = list(range(row, row + len(step.tokens)))
+            elif step.sample:
+                if session.id == self.step_error:
+                    result.error = BadRequest("sampling: injected")
+                else:
+                    result.token = sampled_token(session.position)
+            row += len(step.tokens)
+            results.append(result)
+        return results
+
+    # -- what the tests read ---------------------------------------------------
+
+    def sessions_of(self, call: int) -> list[SessionId]:
+        return [r.session for r in self.calls[call]]
+
+    def totals(self) -> list[int]:
+        return [sum(len(r.tokens) for r in call) for call in self.calls]
+
+    def turns_with(self, session: SessionId) -> list[int]:
+        return [i for i, call in enumerate(self.calls) if any(r.session == session for r in call)]
+
+
+class Harness:
+    """A scheduler over a fake runtime, with job builders and collected outputs."""
+
+    def __init__(self, lanes: int = 2, ctx: int = 256, **cfg: int) -> None:
+        self.rt = FakeRuntime(lanes, ctx)
+        self.cfg = SchedulerConfig(**cfg)
+        self.sched = Scheduler(self.rt, self.cfg)  # type: ignore[arg-type]
+        self.chunk = min(self.cfg.prefill_chunk, self.cfg.max_batch_tokens)  # as the service
+        self.outbox = Outbox()
+        self.outputs: dict[int, list[Output]] = defaultdict(list)
+        self._ids = itertools.count(1)
+
+    def ticket(self, op: str, owner: bytes = PEER) -> Ticket:
+        return Ticket(owner=owner, id=next(self._ids), op=op, outbox=self.outbox)
+
+    def submit(self, job: J) -> J:
+        self.sched.submit(job)
+        return job
+
+    def generate(
+        self,
+        session: str | None = None,
+        prompt_len: int = 1,
+        max_tokens: int = 3,
+        owner: bytes = PEER,
+    ) -> GenerateJob:
+        """A generation (ephemeral when ``session`` is None), not yet submitted."""
+        ticket = self.ticket("generate", owner)
+        sid: SessionId = Ephemeral(ticket.id) if session is None else session
+        prompt = list(range(10, 10 + prompt_len))
+        return GenerateJob(
+            ticket,
+            sid,
+            ephemeral=session is None,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            spec=None,
+            stop=[],
+            stop_tokens=set(),
+            ignore_eos=False,
+            stream=True,
+            chunk=self.chunk,
+        )
+
+    def prefill(self, session: str, n: int, sampled: bool = False) -> PrefillJob:
+        tokens = list(range(10, 10 + n))
+        return PrefillJob(self.ticket("prefill"), session, tokens, self.chunk, sampled, None)
+
+    def decode(self, session: str, owner: bytes = PEER) -> DecodeJob:
+        return DecodeJob(self.ticket("decode", owner), session, 7, None, False)
+
+    def batch(self, sizes: dict[str, int]) -> AtomicBatchJob:
+        """An atomic batch: ``sizes[session]`` tokens per session, last one sampled."""
+        entries = [BatchEntry(sid, list(range(10, 10 + n)), True, None) for sid, n in sizes.items()]
+        return AtomicBatchJob(self.ticket("iteration"), entries, "iteration")
+
+    def turn(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.sched.turn()
+            for ticket, output in self.outbox.take():
+                self.outputs[ticket.id].append(output)
+
+    def run(self, limit: int = 200) -> None:
+        """Turn until no work is left (the limit catches a scheduler that stalls)."""
+        for _ in range(limit):
+            if not self.sched.has_work():
+                return
+            self.turn()
+        raise AssertionError(f"scheduler still has work after {limit} turns")
+
+    def out(self, job: Job) -> list[Output]:
+        return self.outputs[job.ticket.id]
+
+    def result(self, job: Job) -> dict[str, Any]:
+        """The data of the job's one successful reply."""
+        (only,) = self.out(job)
+        assert isinstance(only, Result), only
+        return only.data
+
+    def error(self, job: Job) -> BaseException:
+        """The error of the job's failure (its last output)."""
+        outputs = self.out(job)
+        assert outputs, "job produced nothing"
+        assert isinstance(outputs[-1], Failure), outputs[-1]
+        return outputs[-1].error
+
+    def done(self, job: Job) -> dict[str, Any]:
+        """The final ``done`` event of a streaming generation."""
+        outputs = self.out(job)
+        assert outputs and isinstance(outputs[-1], Event) and outputs[-1].done, outputs
+        return outputs[-1].data
+
+    def tokens(self, job: Job) -> list[int]:
+        """Token events a streaming generation sent."""
+        return [o.data["token"] for o in self.out(job) if isinstance(o, Event) and not o.done]
+
+    def session(self, job: Job) -> SessionId:
+        return job.sessions[0]
+
+
+# -- admission -----------------------------------------------------------------
+
+
+def test_jobs_start_in_submit_order() -> None:
+    h = Harness(lanes=3)
+    jobs = [h.submit(h.generate()) for _ in range(3)]
+    h.turn()
+    assert h.sched.active == jobs
+    assert [h.rt.lanes.require(h.session(j)).lane for j in jobs] == [0, 1, 2]
+
+
+def test_waiting_generations_take_the_lane_in_submit_order() -> None:
+    h = Harness(lanes=1)
+    jobs = [h.submit(h.generate(max_tokens=3)) for _ in range(3)]
+    h.run()
+    spans = [h.rt.turns_with(h.session(j)) for j in jobs]
+    # one at a time, in order: each starts after the previous one's last forward
+    assert all(spans)
+    assert spans[0][-1] < spans[1][0] and spans[1][-1] < spans[2][0]
+    assert [h.done(j)["finish_reason"] for j in jobs] == ["length"] * 3
+
+
+def test_second_job_on_a_busy_session_waits_for_the_first() -> None:
+    h = Harness(lanes=2, max_batch_tokens=64, prefill_chunk=4)
+    long = h.submit(h.prefill("s", 12))  # three chunks, three turns
+    queued = h.submit(h.decode("s"))
+    other = h.submit(h.decode("t"))
+    h.turn()
+    assert h.rt.sessions_of(0) == ["t", "s"]  # another session's decode is not held back
+    assert h.result(other)["position"] == 1
+    assert h.out(queued) == []
+    h.turn(2)
+    assert h.out(queued) == []  # the prefill ended this turn; the decode starts next
+    assert h.result(long) == {"position": 12}
+    h.turn()
+    assert h.rt.calls[3] == [Row("s", (7,), True, False)]
+    assert h.result(queued) == {"token": sampled_token(13), "position": 13}
+
+
+def test_job_behind_a_waiting_generate_on_its_session_waits_too() -> None:
+    h = Harness(lanes=1)
+    h.submit(h.generate(max_tokens=3))  # holds the only lane for three turns
+    waiting = h.submit(h.generate(session="n", max_tokens=2))
+    behind = h.submit(h.decode("n"))  # needs no lane of its own once "n" exists
+    h.turn()
+    assert list(h.sched.pending) == [waiting, behind]
+    assert h.out(behind) == []
+    h.run()
+    assert h.done(waiting)["finish_reason"] == "length"
+    assert h.rt.turns_with("n") == [3, 4, 5]
+    assert h.result(behind)["position"] == 3
+
+
+def test_decode_on_a_new_session_without_a_free_lane_fails_lanes_busy() -> None:
+    h = Harness(lanes=1)
+    running = h.submit(h.generate(max_tokens=10))
+    h.turn()
+    refused = h.submit(h.decode("new"))
+    h.turn()
+    err = h.error(refused)
+    assert isinstance(err, LanesBusy) and err.code == ErrorCode.LANES_BUSY
+    assert h.rt.lanes.get("new") is None
+    assert h.rt.turns_with("new") == []
+    assert h.sched.active == [running]
+    assert h.sched.stats.rejected == 1
+
+
+def test_atomic_batch_needing_more_lanes_than_free_admits_nothing() -> None:
+    h = Harness(lanes=3)
+    h.rt.admit(["held"])
+    refused = h.submit(h.batch({"held": 1, "a": 1, "b": 1, "c": 1}))  # 3 new, 2 free
+    h.turn()
+    err = h.error(refused)
+    assert isinstance(err, LanesBusy) and err.code == ErrorCode.LANES_BUSY
+    assert sorted(map(str, h.rt.lanes.sessions)) == ["held"]
+    assert h.rt.lanes.free == 2
+    assert h.rt.calls == []
+    assert not h.sched.has_work()
+
+
+def test_generate_waits_for_a_lane_instead_of_failing() -> None:
+    h = Harness(lanes=1)
+    first = h.submit(h.generate(max_tokens=3))
+    second = h.submit(h.generate(max_tokens=2))
+    h.turn(3)  # first: prefill + two decodes, then it ends and frees the lane
+    assert h.done(first)["finish_reason"] == "length"
+    assert h.out(second) == []
+    assert list(h.sched.pending) == [second]
+    assert h.rt.turns_with(h.session(second)) == []
+    h.run()
+    assert h.rt.turns_with(h.session(second)) == [3, 4]
+    assert h.done(second)["finish_reason"] == "length"
+    assert h.tokens(second) == [sampled_token(1), sampled_token(2)]
+
+
+def test_lane_freed_during_admission_goes_to_the_earlier_waiting_generate() -> None:
+    """A waiting generate is first in line for a lane; a later request must not
+    take a lane that frees in the same admission pass (here by ``drop``)."""
+    h = Harness(lanes=1)
+    h.rt.admit(["idle"])  # an idle named session holds the only lane
+    waiting = h.submit(h.generate())
+    h.turn()
+    assert list(h.sched.pending) == [waiting]
+    h.submit(SessionOpJob(h.ticket("drop"), "idle", "drop"))
+    later = h.submit(h.generate())
+    h.run()
+    assert h.rt.lanes.get("idle") is None
+    first_turns = [h.rt.turns_with(h.session(j))[0] for j in (waiting, later)]
+    assert first_turns[0] < first_turns[1], first_turns
+
+
+# -- queue bound ---------------------------------------------------------------
+
+
+def test_submit_refuses_when_queue_is_full_counting_free_lanes() -> None:
+    h = Harness(lanes=2, max_queue=1)
+    for _ in range(3):  # max_queue + 2 free lanes
+        h.submit(h.generate(max_tokens=50))
+    with pytest.raises(QueueFull) as caught:
+        h.submit(h.generate())
+    assert caught.value.code == ErrorCode.QUEUE_FULL
+    assert isinstance(caught.value.retry_after_ms, int) and caught.value.retry_after_ms > 0
+    assert len(h.sched.pending) == 3
+    h.turn()  # two start and hold both lanes; one still waits
+    assert len(h.sched.pending) == 1
+    with pytest.raises(QueueFull):
+        h.submit(h.generate())  # 1 waiting >= max_queue + 0 free lanes
+    assert h.sched.stats.rejected == 2
+
+
+# -- token budget --------------------------------------------------------------
+
+
+def test_no_forward_exceeds_the_token_budget() -> None:
+    h = Harness(lanes=8, max_batch_tokens=16, prefill_chunk=8)
+    jobs: list[Job] = [
+        h.generate(prompt_len=20, max_tokens=4),
+        h.generate(prompt_len=13, max_tokens=4),
+        h.prefill("p", 30),
+        h.batch({"x": 5, "y": 5}),
+        h.decode("d"),
+        h.generate(prompt_len=9, max_tokens=6),
+        h.batch({"z": 7}),
+    ]
+    for job in jobs:
+        h.submit(job)
+    h.run()
+    assert all(job.ticket.finished for job in jobs)
+    assert not any(isinstance(o, Failure) for job in jobs for o in h.out(job))
+    assert max(h.rt.totals()) == 16  # the budget was binding
+    assert all(total <= 16 for total in h.rt.totals())
+    assert all(len(row.tokens) <= 8 for call in h.rt.calls for row in call)
+
+
+def test_long_prefill_is_split_into_chunks_across_turns() -> None:
+    h = Harness(lanes=1, max_batch_tokens=64, prefill_chunk=4)
+    job = h.submit(h.prefill("s", 10, sampled=True))
+    h.turn(2)
+    assert h.out(job) == []
+    h.turn()
+    assert [[len(r.tokens) for r in call] for call in h.rt.calls] == [[4], [4], [2]]
+    assert [r.sample for call in h.rt.calls for r in call] == [False, False, True]
+    assert h.result(job) == {"position": 10, "token": sampled_token(10)}
+
+
+def test_prefill_chunk_is_cut_to_the_budget_left_after_decodes() -> None:
+    h = Harness(lanes=3, max_batch_tokens=5, prefill_chunk=4)
+    streams = [h.submit(h.generate(max_tokens=10)) for _ in range(2)]
+    h.turn()  # both prompts (1 token each); both streams now decode every turn
+    h.submit(h.prefill("p", 12))
+    h.turn(4)
+    for call in h.rt.calls[1:]:
+        assert [len(r.tokens) for r in call] == [1, 1, 3]
+    assert all(h.tokens(s) for s in streams)
+
+
+# -- batch order ---------------------------------------------------------------
+
+
+def test_decode_rows_come_first_in_lane_order_every_turn() -> None:
+    h = Harness(lanes=4, max_batch_tokens=64, prefill_chunk=8)
+    h.rt.admit(["c", "b", "a"])  # lanes 0, 1, 2: lane order is c, b, a
+    for sid in ("a", "b", "c"):  # submit (and active) order is a, b, c
+        h.submit(h.generate(session=sid, max_tokens=6))
+    h.turn()
+    h.submit(h.prefill("p", 100))
+    h.turn(4)
+    for call in h.rt.calls[1:]:
+        assert [r.session for r in call] == ["c", "b", "a", "p"]
+
+
+def test_a_turn_batches_decode_then_atomic_then_prefill() -> None:
+    h = Harness(lanes=4, max_batch_tokens=64)
+    h.rt.admit(["pre", "atom"])  # lanes 0 and 1, ahead of the stream's lane 2
+    stream = h.submit(h.generate(max_tokens=10))
+    h.turn()
+    h.submit(h.prefill("pre", 3))
+    atomic = h.submit(h.batch({"atom": 2}))
+    h.submit(h.decode("dec"))  # lane 3, after everyone in lane order
+    h.turn()
+    assert h.rt.sessions_of(1) == [h.session(stream), "dec", "atom", "pre"]
+    assert h.result(atomic)["positions"] == [2]
+
+
+def test_prefill_chunks_rotate_between_prefill_jobs() -> None:
+    h = Harness(lanes=2, max_batch_tokens=4, prefill_chunk=4)  # one chunk a turn
+    h.submit(h.prefill("p1", 16))
+    h.submit(h.prefill("p2", 16))
+    h.turn(6)
+    served = [h.rt.sessions_of(i) for i in range(6)]
+    assert all(len(s) == 1 for s in served)
+    order = [s[0] for s in served]
+    assert all(a != b for a, b in itertools.pairwise(order)), order
+
+
+def test_prefill_rotation_stays_fair_while_streams_decode() -> None:
+    """With one chunk of budget left a turn, two prompts should take turns even
+    when running streams sit in the active list too."""
+    h = Harness(lanes=6, max_batch_tokens=8, prefill_chunk=4)
+    for _ in range(4):
+        h.submit(h.generate(max_tokens=50))
+    h.turn()  # four streams decode from now on: 4 tokens a turn, 4 left for prefill
+    h.submit(h.prefill("p1", 40))
+    h.submit(h.prefill("p2", 40))
+    h.turn(6)
+    order = [s for i in range(1, 7) for s in h.rt.sessions_of(i) if s in ("p1", "p2")]
+    assert len(order) == 6
+    assert order.count("p1") == order.count("p2") == 3, order
+
+
+# -- boost ---------------------------------------------------------------------
+
+
+def test_atomic_batch_that_did_not_fit_goes_first_next_turn() -> None:
+    h = Harness(lanes=2, max_batch_tokens=4)
+    first = h.submit(h.batch({"a": 3}))
+    starved = h.submit(h.batch({"b": 2}))  # 2 > the 1 token left this turn
+    h.turn()
+    assert h.rt.sessions_of(0) == ["a"]
+    assert h.out(starved) == []
+    again = h.submit(h.batch({"a": 3}))  # lane 0 would go before lane 1 by lane order
+    h.turn()
+    assert h.rt.sessions_of(1) == ["b"]  # and "a" (3) no longer fits behind it
+    assert h.result(starved)["positions"] == [2]
+    h.turn()
+    assert h.rt.sessions_of(2) == ["a"]
+    assert h.result(first)["positions"] == [3]
+    assert h.result(again)["positions"] == [6]
+
+
+def test_atomic_batch_goes_first_next_turn_after_budget_ran_out() -> None:
+    """A batch skipped because the budget was used up exactly did not fit
+    either: it must go first next turn, or a client pipelining full-budget
+    batches on a lower lane starves it."""
+    h = Harness(lanes=2, max_batch_tokens=4)
+    h.submit(h.batch({"a": 4}))
+    starved = h.submit(h.batch({"b": 1}))
+    h.turn()
+    assert h.rt.sessions_of(0) == ["a"]
+    h.submit(h.batch({"a": 4}))
+    h.turn()
+    assert h.rt.sessions_of(1)[0] == "b"
+    assert h.result(starved)["positions"] == [1]
+
+
+def test_boosted_atomic_batch_goes_before_decode_rows() -> None:
+    h = Harness(lanes=3, max_batch_tokens=4)
+    stream = h.submit(h.generate(max_tokens=20))
+    h.turn()
+    h.submit(h.batch({"x": 2}))  # 1 + 2 fits
+    starved = h.submit(h.batch({"y": 2}))  # 1 token left: does not fit
+    h.turn()
+    assert h.rt.sessions_of(1) == [h.session(stream), "x"]
+    h.turn()
+    assert h.rt.sessions_of(2) == ["y", h.session(stream)]
+    assert h.result(starved)["positions"] == [2]
+
+
+# -- cancel --------------------------------------------------------------------
+
+
+def test_cancel_queued_job_fails_cancelled_and_never_runs() -> None:
+    h = Harness(lanes=1)
+    h.submit(h.generate(max_tokens=10))
+    queued = h.submit(h.generate())
+    h.turn()
+    assert h.sched.cancel(PEER, queued.ticket.id)
+    assert not h.sched.cancel(PEER, 999)
+    h.turn()
+    err = h.error(queued)
+    assert isinstance(err, Cancelled) and err.code == ErrorCode.CANCELLED
+    assert len(h.out(queued)) == 1
+    assert queued not in h.sched.pending
+    h.run()
+    assert h.rt.turns_with(h.session(queued)) == []
+    assert h.sched.stats.cancelled == 1
+
+
+def test_cancel_running_generate_ends_stream_with_cancelled_done() -> None:
+    h = Harness(lanes=2)
+    job = h.submit(h.generate(max_tokens=50))
+    other = h.submit(h.generate(max_tokens=50))
+    h.turn(3)
+    assert len(h.tokens(job)) == 3
+    assert h.sched.cancel(PEER, job.ticket.id)
+    h.turn()
+    done = h.done(job)
+    assert done["finish_reason"] == "cancelled"
+    assert done["usage"]["completion_tokens"] == 3
+    assert h.rt.sessions_of(3) == [h.session(other)]  # no row for the cancelled one
+    assert h.sched.active == [other]
+    assert h.rt.lanes.get(h.session(job)) is None
+
+
+def test_cancel_owner_cancels_every_job_of_that_owner() -> None:
+    h = Harness(lanes=2)
+    running = h.submit(h.generate(max_tokens=50, owner=b"gone"))
+    kept = h.submit(h.generate(max_tokens=5, owner=b"stays"))
+    queued = h.submit(h.generate(owner=b"gone"))
+    h.turn()
+    assert h.sched.cancel_owner(b"gone") == 2
+    h.turn()
+    assert h.done(running)["finish_reason"] == "cancelled"
+    assert isinstance(h.error(queued), Cancelled)
+    assert h.sched.active == [kept]
+    assert not h.sched.pending
+    h.run()
+    assert h.done(kept)["finish_reason"] == "length"
+    assert h.rt.turns_with(h.session(queued)) == []
+
+
+# -- deadlines -----------------------------------------------------------------
+
+
+def test_expired_deadline_ends_queued_and_running_jobs() -> None:
+    h = Harness(lanes=1)
+    running = h.submit(h.generate(max_tokens=50))
+    queued = h.submit(h.generate())
+    queued.ticket.deadline = time.monotonic() + 3600
+    h.turn(2)
+    assert list(h.sched.pending) == [queued]
+    running.ticket.deadline = time.monotonic() - 1
+    queued.ticket.deadline = time.monotonic() - 1
+    forwards = len(h.rt.calls)
+    h.turn()
+    assert isinstance(h.error(running), DeadlineExceeded)
+    err = h.error(queued)
+    assert isinstance(err, DeadlineExceeded) and err.code == ErrorCode.DEADLINE_EXCEEDED
+    assert len(h.rt.calls) == forwards  # nothing ran for either
+    assert not h.sched.has_work()
+    assert h.rt.lanes.free == 1
+    assert h.sched.stats.expired == 2
+
+
+def test_admission_timeout_applies_to_jobs_waiting_for_a_lane() -> None:
+    h = Harness(lanes=1, admission_timeout_ms=1000)
+    running = h.submit(h.generate(session="s", max_tokens=50))
+    h.turn()
+    running.ticket.received -= 3600  # running: admission is over for it
+    late = h.submit(h.generate())
+    late.ticket.received -= 3600
+    fresh = h.submit(h.generate())
+    behind = h.submit(h.decode("s"))  # waits for its session, not for a lane
+    behind.ticket.received -= 3600
+    h.turn()
+    err = h.error(late)
+    assert isinstance(err, DeadlineExceeded)
+    assert h.out(fresh) == [] and h.out(behind) == []
+    assert list(h.sched.pending) == [fresh, behind]
+    assert h.sched.active == [running]
+    assert h.rt.turns_with(h.session(late)) == []
+
+
+# -- failures ------------------------------------------------------------------
+
+
+def test_forward_failure_fails_only_that_turns_jobs() -> None:
+    h = Harness(lanes=3, max_batch_tokens=4)
+    stream = h.submit(h.generate(max_tokens=50))
+    h.turn()
+    in_turn = h.submit(h.batch({"x": 2}))
+    left_out = h.submit(h.batch({"y": 2}))  # 1 + 2 + 2 > 4: not in this turn
+    h.rt.fail_next = True
+    h.turn()
+    assert h.rt.sessions_of(1) == [h.session(stream), "x"]
+    assert isinstance(h.error(stream), EngineFault)
+    assert isinstance(h.error(in_turn), EngineFault)
+    assert h.out(left_out) == []
+    assert h.sched.active == [left_out]
+    assert h.rt.lanes.get(h.session(stream)) is None  # ephemeral lane returned
+    h.turn()
+    assert h.rt.sessions_of(2) == ["y"]
+    assert h.result(left_out)["positions"] == [2]
+    assert not h.sched.has_work()
+
+
+def test_sampling_error_of_one_step_fails_only_its_job() -> None:
+    h = Harness(lanes=2)
+    bad = h.submit(h.decode("bad"))
+    good = h.submit(h.decode("good"))
+    h.rt.step_error = "bad"
+    h.turn()
+    assert h.rt.sessions_of(0) == ["bad", "good"]
+    assert isinstance(h.error(bad), BadRequest)
+    assert h.result(good) == {"token": sampled_token(1), "position": 1}
+    assert not h.sched.has_work()
+
+
+def test_scheduler_keeps_working_after_a_failed_forward() -> None:
+    h = Harness(lanes=1)
+    h.rt.fail_next = True
+    broken = h.submit(h.generate(max_tokens=3))
+    h.turn()
+    assert isinstance(h.error(broken), EngineFault)
+    later = h.submit(h.generate(max_tokens=3))
+    h.run()
+    assert h.done(later)["finish_reason"] == "length"
+    assert h.rt.lanes.free == 1
+
+
+# -- ephemeral sessions --------------------------------------------------------
+
+
+def test_ephemeral_session_is_dropped_when_its_job_ends() -> None:
+    h = Harness(lanes=3)
+    finishes = h.submit(h.generate(max_tokens=2))
+    cancelled = h.submit(h.generate(max_tokens=50))
+    named = h.submit(h.generate(session="keep", max_tokens=2))
+    h.turn()
+    assert h.rt.lanes.free == 0
+    h.sched.cancel(PEER, cancelled.ticket.id)
+    h.run()
+    assert h.done(finishes)["finish_reason"] == "length"
+    assert h.done(cancelled)["finish_reason"] == "cancelled"
+    assert h.done(named)["finish_reason"] == "length"
+    assert [str(s) for s in h.rt.lanes.sessions] == ["keep"]  # a named session stays
+    assert h.rt.lanes.require("keep").pending == [sampled_token(2)]
+    assert h.rt.lanes.free == 2
+
+
+def test_ephemeral_session_is_dropped_when_start_fails() -> None:
+    h = Harness(lanes=1, ctx=8)
+    too_long = h.submit(h.generate(prompt_len=9))
+    h.turn()
+    assert isinstance(h.error(too_long), ContextOverflow)
+    assert h.rt.lanes.free == 1
+    assert h.rt.calls == []
