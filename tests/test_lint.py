@@ -16,7 +16,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ruff_clean() -> None:
-    out = _run("ruff", "check", "protocol", "worker", "tests", "scripts")
+    out = _run(
+        "ruff", "check", "faults", "protocol", "edge", "worker", "loadtest", "tests", "scripts"
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -28,7 +30,7 @@ def test_mypy_clean() -> None:
 def test_llama_cpp_is_imported_only_by_the_engine() -> None:
     offenders = [
         str(p.relative_to(ROOT))
-        for folder in ("protocol", "worker")
+        for folder in ("faults", "protocol", "edge", "worker", "loadtest")
         for p in (ROOT / folder).rglob("*.py")
         if "engine" not in p.relative_to(ROOT).parts[:2]
         and any(

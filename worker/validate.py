@@ -209,8 +209,7 @@ def _get_samplers(raw: dict[str, Any], key: str) -> tuple[str, ...]:
     for i, item in enumerate(value):
         if item not in SAMPLER_NAMES:
             raise BadRequest(
-                f"{key}[{i}] = {shown(item)} is not a sampler; "
-                f"known: {', '.join(SAMPLER_NAMES)}"
+                f"{key}[{i}] = {shown(item)} is not a sampler; known: {', '.join(SAMPLER_NAMES)}"
             )
     return tuple(value)
 
