@@ -36,10 +36,10 @@ def test_known_sessions_need_no_lane() -> None:
     assert pool.missing(["a", "b", "b"]) == ["b"]
 
 
-def _chunks(total: int, chunk: int, budget: int, whole: bool) -> list[int]:
+def _chunks(total: int, chunk: int, budget: int) -> list[int]:
     done, sizes = 0, []
     while done < total:
-        n = chunk_bounds(done, total, chunk, budget, whole)
+        n = chunk_bounds(done, total, chunk, budget)
         assert n > 0
         sizes.append(n)
         done += n
@@ -47,16 +47,17 @@ def _chunks(total: int, chunk: int, budget: int, whole: bool) -> list[int]:
 
 
 @pytest.mark.parametrize("total", [1, 255, 256, 257, 600, 1024])
-def test_sampled_prefill_keeps_the_final_chunk_whole(total: int) -> None:
-    sizes = _chunks(total, 256, 512, True)
+def test_prompts_are_prefilled_in_whole_grid_pieces(total: int) -> None:
+    sizes = _chunks(total, 256, 512)
     split = ((total - 1) // 256) * 256
     assert sizes[-1] == total - split
+    assert all(s == 256 for s in sizes[:-1])
     assert sum(sizes) == total
 
 
-def test_final_chunk_waits_when_budget_is_short() -> None:
-    # 300 tokens, chunk 256: the final chunk (44) is never split.
-    assert chunk_bounds(256, 300, 256, 10, True) == 0
-    assert chunk_bounds(256, 300, 256, 44, True) == 44
-    # Plain prefill may take what the budget allows.
-    assert chunk_bounds(256, 300, 256, 10, False) == 10
+def test_pieces_wait_when_budget_is_short() -> None:
+    # 300 tokens, chunk 256: neither piece is ever split by the budget.
+    assert chunk_bounds(0, 300, 256, 255) == 0
+    assert chunk_bounds(0, 300, 256, 256) == 256
+    assert chunk_bounds(256, 300, 256, 10) == 0
+    assert chunk_bounds(256, 300, 256, 44) == 44

@@ -83,6 +83,19 @@ class FakeRuntime:
     def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]:
         return self.lanes.admit(session_ids, ephemeral)
 
+    def admit_prompt(
+        self,
+        session_id: SessionId,
+        prompt: Sequence[int],
+        ephemeral: bool = False,
+        grid: int = 1,
+    ) -> tuple[Session, int]:
+        known = self.lanes.get(session_id)
+        if known is not None:
+            return known, 0
+        (session,) = self.admit([session_id], ephemeral)
+        return session, 0  # no prefix cache here: that is the runtime's business
+
     def ensure_room(self, session: Session, n_tokens: int) -> None:
         if session.position + n_tokens > self.ctx_per_lane:
             raise ContextOverflow(f"{session.position} + {n_tokens} > {self.ctx_per_lane}")
@@ -407,8 +420,10 @@ def test_long_prefill_is_split_into_chunks_across_turns() -> None:
     assert h.result(job) == {"position": 10, "token": sampled_token(10)}
 
 
-def test_prefill_chunk_is_cut_to_the_budget_left_after_decodes() -> None:
-    h = Harness(lanes=3, max_batch_tokens=5, prefill_chunk=4)
+def test_prefill_pieces_are_whole_and_wait_for_room_beside_decodes() -> None:
+    # A piece is never cut by the budget (grid pieces keep prefill numerics
+    # independent of load): 2 decode rows + a 3-token piece fill a budget of 5.
+    h = Harness(lanes=3, max_batch_tokens=5, prefill_chunk=3)
     streams = [h.submit(h.generate(max_tokens=10)) for _ in range(2)]
     h.turn()  # both prompts (1 token each); both streams now decode every turn
     h.submit(h.prefill("p", 12))
@@ -416,6 +431,14 @@ def test_prefill_chunk_is_cut_to_the_budget_left_after_decodes() -> None:
     for call in h.rt.calls[1:]:
         assert [len(r.tokens) for r in call] == [1, 1, 3]
     assert all(h.tokens(s) for s in streams)
+    # With a piece larger than the room left, the prefill waits (no partial piece).
+    h = Harness(lanes=3, max_batch_tokens=5, prefill_chunk=4)
+    for _ in range(2):
+        h.submit(h.generate(max_tokens=10))
+    h.turn()
+    h.submit(h.prefill("p", 12))
+    h.turn(2)
+    assert all([len(r.tokens) for r in call] == [1, 1] for call in h.rt.calls[1:])
 
 
 # -- batch order ---------------------------------------------------------------

@@ -29,6 +29,8 @@ class WorkerConfig:
     max_batch_tokens: int = 0  # 0 = batch
     prefill_chunk: int = 256
     max_queue: int = 64
+    prefix_cache: int = -1  # idle lanes keeping their tokens for reuse; -1 = all, 0 = off
+    prefix_reuse: str = "exact"  # "exact" (bit-identical to a cold prefill) or "any"
     admission_timeout_ms: int = 60_000
     session_idle_s: float = 600.0
     max_request_bytes: int = 4 * 1024 * 1024
@@ -64,6 +66,17 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("max-batch-tokens", int, "token budget of one scheduler turn; 0 = batch"),
     ("prefill-chunk", int, "prompt tokens one prefill may add to a turn"),
     ("max-queue", int, "requests that may wait for a lane before queue_full"),
+    (
+        "prefix-cache",
+        int,
+        "idle lanes that keep their KV and tokens for prompts sharing a prefix; -1 = all, 0 = off",
+    ),
+    (
+        "prefix-reuse",
+        str,
+        "exact: reuse up to a prefill-chunk boundary, bit-identical to a cold prefill; "
+        "any: every shared token (faster; logits may differ slightly, like llama-server)",
+    ),
     ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),
     ("session-idle-s", float, "drop named sessions unused this long (frees lanes of gone peers)"),
     ("max-request-bytes", int, "largest request header; larger is payload_too_large"),
@@ -99,6 +112,8 @@ def build_parser(prog: str = "skiff-worker") -> argparse.ArgumentParser:
         extra: dict[str, object] = {}
         if option == "log-format":
             extra["choices"] = LOG_FORMATS
+        if option == "prefix-reuse":
+            extra["choices"] = ("exact", "any")
         parser.add_argument(
             f"--{option}",
             type=kind,

@@ -62,6 +62,8 @@ class GenerateJob(Job):
         self.chunk = chunk
         self.session: Session | None = None
         self.tokens: list[int] = []  # prompt tokens to prefill
+        self.cached = 0  # of them, already in a reused lane's KV (prefix cache)
+        self.from_zero = False  # the prompt starts at position 0: its pieces are on the grid
         self.done = 0
         self.inflight = 0
         self.next_token: int | None = None  # sampled, not yet in the KV cache
@@ -82,18 +84,26 @@ class GenerateJob(Job):
     # -- lifecycle -------------------------------------------------------------
 
     def start(self, rt: RuntimeState) -> bool:
-        (self.session,) = rt.admit(self.sessions, ephemeral=self.ephemeral)
-        session = self.session
+        (sid,) = self.sessions
+        known = rt.lanes.get(sid)
         if isinstance(self.prompt, str):
-            fresh = session.position == 0 and not session.pending
+            fresh = known is None or (known.position == 0 and not known.pending)
             prompt = rt.engine.tokenize(self.prompt, add_special=fresh, parse_special=False)
         else:
             prompt = list(self.prompt)
-        self.tokens = session.pending + prompt
+        pending = known.pending if known is not None else []
+        self.tokens = pending + prompt
         if not self.tokens:
             raise BadRequest("prompt is empty")
-        rt.ensure_room(session, len(self.tokens))
-        session.pending = []
+        # A new session may start on a cached lane that holds a prefix of the
+        # prompt (an earlier turn of the same chat, a shared system prompt).
+        self.session, self.cached = rt.admit_prompt(
+            sid, self.tokens, self.ephemeral, grid=self.chunk
+        )
+        self.done = self.cached
+        self.from_zero = self.session.position == self.done
+        rt.ensure_room(self.session, len(self.tokens) - self.done)
+        self.session.pending = []
         self.t_start = time.monotonic()
         return False
 
@@ -115,13 +125,22 @@ class GenerateJob(Job):
                     top_logprobs=self.top_logprobs,
                 )
             ]
-        n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget, keep_last_whole=True)
+        n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget)
         self.inflight = n
         if n == 0:
             return []
         last = self.done + n == len(self.tokens)
         part = self.tokens[self.done : self.done + n]
-        return [Step(session, part, last, self.spec, top_logprobs=self.top_logprobs)]
+        return [
+            Step(
+                session,
+                part,
+                last,
+                self.spec,
+                top_logprobs=self.top_logprobs,
+                grid=self.from_zero,
+            )
+        ]
 
     def _draft(self, rt: RuntimeState, budget: int) -> list[int]:
         if self.drafter is None or self.session is None or self.next_token is None:
@@ -255,7 +274,11 @@ class GenerateJob(Job):
         first = self.t_first or now
         summary: dict[str, Any] = {
             "finish_reason": reason,
-            "usage": {"prompt_tokens": len(self.tokens), "completion_tokens": len(self.completion)},
+            "usage": {
+                "prompt_tokens": len(self.tokens),
+                "completion_tokens": len(self.completion),
+                "cached_tokens": self.cached,
+            },
             "timings": {
                 "queue_ms": round((self.t_start - self.ticket.received) * 1000, 3)
                 if self.t_start

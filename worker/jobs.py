@@ -22,6 +22,7 @@ from faults import BadRequest, Cancelled, ContextOverflow, LanesBusy
 from .engine import ROW_INVARIANT_ROWS
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.signals import window_summary
+from .runtime.state import grid_split
 from .spec import SamplerSpec
 from .ticket import Ticket
 
@@ -76,20 +77,20 @@ class Job:
                     rt.drop(sid)
 
 
-def chunk_bounds(done: int, total: int, chunk: int, budget: int, keep_last_whole: bool) -> int:
+def chunk_bounds(done: int, total: int, chunk: int, budget: int) -> int:
     """How many prompt tokens to take now (0 = wait for a later turn).
 
-    With ``keep_last_whole`` the final chunk starts at
-    ``((total - 1) // chunk) * chunk`` and is taken whole, so the sampled
-    logits never depend on how busy the worker was.
+    A prompt is prefilled in grid pieces: ``[0, chunk)``, ``[chunk, 2 chunk)``
+    ... and a final piece from ``((total - 1) // chunk) * chunk`` to the end,
+    each taken whole or not at all. So the KV cells and the sampled logits of
+    a prompt never depend on how busy the worker was, and a prefix cached
+    from one prompt is, up to a grid point, bit-identical to what a cold
+    prefill of another prompt with that prefix computes (see
+    ``RuntimeState.admit_prompt``). ``done`` is a grid point.
     """
-    if keep_last_whole:
-        split = ((total - 1) // chunk) * chunk
-        if done >= split:
-            last = total - done
-            return last if last <= budget else 0
-        return min(chunk, split - done, budget)
-    return min(chunk, total - done, budget)
+    split = grid_split(total, chunk)
+    n = total - done if done >= split else min(chunk, split - done)
+    return n if n <= budget else 0
 
 
 class PrefillJob(Job):
@@ -111,22 +112,27 @@ class PrefillJob(Job):
         self.spec = spec
         self.done = 0
         self.inflight = 0
+        self.from_zero = False  # the prompt starts at position 0: its pieces are on the grid
         self.session: Session | None = None
 
     def start(self, rt: RuntimeState) -> bool:
-        (self.session,) = rt.admit(self.sessions)
-        rt.ensure_room(self.session, len(self.tokens))
+        # A new session may start on a cached lane already holding a prefix
+        # of these tokens; only the rest is prefilled (same KV, same result).
+        self.session, self.done = rt.admit_prompt(self.sessions[0], self.tokens, grid=self.chunk)
+        self.from_zero = self.session.position == self.done
+        rt.ensure_room(self.session, len(self.tokens) - self.done)
         return False
 
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
         assert self.session is not None
-        n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget, self.sampled)
+        n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget)
         self.inflight = n
         if n == 0:
             return []
         part = self.tokens[self.done : self.done + n]
         last = self.done + n == len(self.tokens)
-        return [Step(self.session, part, sample=self.sampled and last, spec=self.spec)]
+        sample = self.sampled and last
+        return [Step(self.session, part, sample=sample, spec=self.spec, grid=self.from_zero)]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         assert self.session is not None

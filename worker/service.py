@@ -43,9 +43,11 @@ class LlmService:
         self.draft = draft  # speculative.mode = "draft_model"
         self.n_vocab = engine.n_vocab
         self.grammars: GrammarChecker | None = LlamaGrammars()
-        self.rt = RuntimeState(engine)
+        self.rt = RuntimeState(engine, cfg.prefix_cache, cfg.prefix_reuse)
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
-        self.chunk = min(cfg.prefill_chunk, cfg.budget)
+        # A prefill piece is taken whole or waits; keep room for a full row of
+        # decodes beside it so a prompt can never wait on running streams.
+        self.chunk = max(1, min(cfg.prefill_chunk, cfg.budget - cfg.lanes))
         self.sched = Scheduler(
             self.rt,
             SchedulerConfig(

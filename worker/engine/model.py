@@ -129,6 +129,11 @@ class Engine:
         self.bos = int(ll.llama_vocab_bos(self._vocab))
         self.eos = int(ll.llama_vocab_eos(self._vocab))
         self.kv_unified = bool(cparams.kv_unified)
+        self.swa_full = bool(cparams.swa_full)
+        # Sliding window of the model's windowed layers; 0 = none, or every
+        # cell kept (swa_full), so no cached prefix is ever out of reach.
+        n_swa = int(ll.llama_model_n_swa(self._model))
+        self.n_swa = 0 if self.swa_full else n_swa
         self._batch = Batch(self.n_batch, self.n_seq)
         self._abort_fn: Any = None
         self._piece_cache: dict[int, bytes] = {}
@@ -226,6 +231,10 @@ class Engine:
     def pos_max(self, seq: int) -> int:
         """Largest position stored for ``seq``; -1 when it holds nothing."""
         return int(ll.llama_memory_seq_pos_max(self._mem, seq))
+
+    def pos_min(self, seq: int) -> int:
+        """Smallest position stored for ``seq``; -1 when it holds nothing."""
+        return int(ll.llama_memory_seq_pos_min(self._mem, seq))
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
         return bool(ll.llama_memory_seq_rm(self._mem, seq, p0, p1))

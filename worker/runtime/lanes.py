@@ -4,13 +4,21 @@ A lane is a llama.cpp sequence id. A session is admitted to a free lane on
 first use and keeps it until dropped. ``admit`` is all-or-nothing: when a
 request names several new sessions and there are not enough free lanes,
 nothing is admitted.
+
+A lane without a session is free. It is either empty or *cached*: a dropped
+session's lane may keep its KV cells and remember their tokens (the prefix
+cache), so a later prompt that starts the same way can take the lane and
+prefill only what is new. Cached lanes are kept in LRU order, at most
+``cache_limit`` of them; a lane is taken from the empty ones first, then the
+least recently cached. Lanes the pool stops caching are listed in
+``evicted`` for the runtime to clear before anyone uses them.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,20 +55,56 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     last_token: int | None = None
     pending: list[int] = field(default_factory=list)  # shown by generate, not yet fed
+    # Leading tokens whose KV was computed by whole grid pieces of a prompt
+    # prefilled from position 0: reusable bit-exactly (``RuntimeState.admit_prompt``).
+    canonical: int = 0
     # Named sessions keep per-token signals (runtime/signals.py) for `signal`.
     signals: deque[Any] = field(default_factory=lambda: deque(maxlen=SIGNAL_HISTORY))
     last_logprobs: dict[str, Any] | None = None
 
 
 class LanePool:
-    def __init__(self, n_lanes: int) -> None:
+    def __init__(self, n_lanes: int, cache_limit: int = 0) -> None:
         self.n_lanes = n_lanes
+        self.cache_limit = n_lanes if cache_limit < 0 else min(cache_limit, n_lanes)
         self._free: list[int] = list(range(n_lanes))
+        # lane -> (tokens its KV holds, how many of them are canonical); LRU first
+        self._cached: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
+        self.evicted: list[int] = []  # lanes to clear before reuse
         self.sessions: dict[SessionId, Session] = {}
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Lanes without a session (empty or cached)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def cached(self) -> int:
+        return len(self._cached)
+
+    def best_prefix(self, tokens: Sequence[int], longest: int) -> tuple[int, int, int] | None:
+        """(lane, shared tokens, canonical tokens) of the cached lane sharing the
+        longest prefix with ``tokens`` (at most ``longest``); None when none shares any."""
+        best: tuple[int, int, int] | None = None
+        for lane, (held, canonical) in self._cached.items():
+            n = min(len(held), longest)
+            common = 0
+            while common < n and held[common] == tokens[common]:
+                common += 1
+            if common and (best is None or common > best[1]):
+                best = (lane, common, canonical)
+        return best
+
+    def _take_lane(self, prefer: int | None) -> int:
+        if prefer is not None and prefer in self._cached:
+            del self._cached[prefer]
+            return prefer
+        if self._free:
+            self._free.sort()
+            return self._free.pop(0)
+        lane, _ = self._cached.popitem(last=False)
+        self.evicted.append(lane)
+        return lane
 
     @property
     def active(self) -> int:
@@ -85,23 +129,42 @@ class LanePool:
                 out.append(sid)
         return out
 
-    def admit(self, session_ids: Iterable[SessionId], ephemeral: bool = False) -> list[Session]:
-        """Admit every new session or none; return all named sessions in order."""
+    def admit(
+        self,
+        session_ids: Iterable[SessionId],
+        ephemeral: bool = False,
+        prefer: int | None = None,
+    ) -> list[Session]:
+        """Admit every new session or none; return all named sessions in order.
+
+        ``prefer`` names a cached lane for the (single) new session.
+        """
         ids = list(session_ids)
         new = self.missing(ids)
-        if len(new) > len(self._free):
+        if len(new) > self.free:
             raise LanesBusy(
                 f"request requires {len(new)} new sessions but only "
-                f"{len(self._free)} execution lanes are available"
+                f"{self.free} execution lanes are available"
             )
         for sid in new:
-            self._free.sort()
-            lane = self._free.pop(0)
+            lane = self._take_lane(prefer)
             self.sessions[sid] = Session(sid, lane, ephemeral=ephemeral)
         return [self.sessions[sid] for sid in ids]
 
-    def release(self, session_id: SessionId) -> Session:
+    def release(self, session_id: SessionId, keep: bool = False) -> Session:
+        """Free a session's lane; with ``keep`` cache its tokens (its KV stays)."""
         session = self.require(session_id)
         del self.sessions[session_id]
-        self._free.append(session.lane)
+        if keep and session.tokens and self.cache_limit > 0:
+            self._cached[session.lane] = (session.tokens, min(session.canonical, session.position))
+            while len(self._cached) > self.cache_limit:
+                lane, _ = self._cached.popitem(last=False)
+                self.evicted.append(lane)
+                self._free.append(lane)
+        else:
+            self._free.append(session.lane)
         return session
+
+    def take_evicted(self) -> list[int]:
+        lanes, self.evicted = self.evicted, []
+        return lanes

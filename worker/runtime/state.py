@@ -44,6 +44,7 @@ class Step:
     keep_logits: bool = False
     all_rows: bool = False  # logits for every token (verify, speculation)
     top_logprobs: int | None = None  # logprobs of the sampled token (+ top k)
+    grid: bool = False  # a whole grid piece of a prompt prefilled from position 0
 
 
 @dataclass
@@ -55,26 +56,137 @@ class StepResult:
     error: BadRequest | None = None  # this step's sampling failed
 
 
+# A cached prefix shorter than this is not worth giving up an empty lane for.
+MIN_PREFIX_REUSE = 8
+REUSE_MODES = ("exact", "any")
+
+
+def grid_split(total: int, chunk: int) -> int:
+    """Where the final (whole) prefill piece of a ``total``-token prompt starts."""
+    return ((total - 1) // chunk) * chunk
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    evictions: int = 0
+    refused_window: int = 0  # partial hits the sliding window no longer covered
+
+
 class RuntimeState:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, prefix_cache: int = 0, reuse: str = "exact") -> None:
+        if reuse not in REUSE_MODES:
+            raise ValueError(f"prefix reuse must be one of {REUSE_MODES}")
         self.engine = engine
-        self.lanes = LanePool(engine.n_seq)
+        self.reuse = reuse
+        self.lanes = LanePool(engine.n_seq, prefix_cache)
         self.ctx_per_lane = engine.n_ctx_per_seq
         self.tokens_evaluated = 0
         self.forwards = 0
+        self.prefix = PrefixStats()
         self.started = time.monotonic()
 
     # -- admission and lifecycle ------------------------------------------
 
     def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]:
-        return self.lanes.admit(session_ids, ephemeral)
+        sessions = self.lanes.admit(session_ids, ephemeral)
+        self._clear_evicted()
+        return sessions
+
+    def admit_prompt(
+        self,
+        session_id: SessionId,
+        prompt: Sequence[int],
+        ephemeral: bool = False,
+        grid: int = 1,
+    ) -> tuple[Session, int]:
+        """Admit a session that is about to prefill ``prompt``; reuse a cached prefix.
+
+        Returns the session and how many prompt tokens its KV already holds
+        (its position); the caller prefills the rest in ``grid`` pieces
+        (``jobs.chunk_bounds``). A session that exists already is returned as
+        it is, with 0.
+
+        ``exact`` reuse (the default) keeps a prefix only up to a grid point
+        that the cached lane computed with whole grid pieces of a prompt
+        prefilled from 0, and at most up to the start of the prompt's final
+        piece: the rest is then computed exactly as a cold prefill computes
+        it, so the KV cells and logits are bit-identical (logits depend on
+        the shape of the batch that computed them; this keeps the shapes).
+        ``any`` reuse keeps every shared token but the last (as llama-server
+        does): faster, but the reused cells and the final rows may have been
+        computed in other batch shapes, so logits may differ slightly (up to
+        ~1 here) from a cold prefill and a near-tie can flip.
+        """
+        known = self.lanes.get(session_id)
+        if known is not None:
+            return known, 0
+        match = self.lanes.best_prefix(prompt, len(prompt) - 1) if self.lanes.cached else None
+        common = 0
+        if match is not None:
+            common = match[1]
+            if self.reuse == "exact":
+                usable = min(common, match[2], grid_split(len(prompt), grid))
+                common = (usable // grid) * grid
+        if match is None or common < MIN_PREFIX_REUSE:
+            self.prefix.misses += 1
+            (session,) = self.admit([session_id], ephemeral)
+            return session, 0
+        lane = match[0]
+        if not self._window_holds(lane, common):
+            self.prefix.refused_window += 1
+            self.prefix.misses += 1
+            (session,) = self.admit([session_id], ephemeral)
+            return session, 0
+        (session,) = self.lanes.admit([session_id], ephemeral, prefer=lane)
+        self._clear_evicted()
+        if not self.engine.seq_rm(lane, common, -1):
+            self.engine.seq_clear(lane)
+            self.prefix.misses += 1
+            self.check_position(session)
+            return session, 0
+        session.position = common
+        session.tokens = list(prompt[:common])
+        session.canonical = min(common, match[2])
+        self.check_position(session)
+        self.prefix.hits += 1
+        self.prefix.reused_tokens += common
+        return session, common
+
+    def _window_holds(self, lane: int, common: int) -> bool:
+        """Whether the lane still holds what decoding after ``common`` tokens needs.
+
+        A sliding-window cache (without ``swa_full``) forgets cells older than
+        the window: keeping a prefix is only sound while the cells of the last
+        ``n_swa`` positions before ``common`` are still there (llama-server's
+        guard). With ``swa_full`` every cell is kept and ``pos_min`` is 0.
+        """
+        n_swa = self.engine.n_swa
+        if n_swa <= 0:
+            return True
+        return self.engine.pos_min(lane) <= max(0, common - n_swa)
+
+    def _clear_evicted(self) -> None:
+        for lane in self.lanes.take_evicted():
+            self.engine.seq_clear(lane)
+            self.prefix.evictions += 1
 
     def drop(self, session_id: SessionId) -> None:
+        """End a session. Its lane keeps its KV for the prefix cache when the
+        session's tokens provably match the engine's cells; otherwise it is cleared."""
         session = self.lanes.require(session_id)
-        self.engine.seq_clear(session.lane)
         if session.sampler is not None:
             session.sampler.free()
-        self.lanes.release(session_id)
+        keep = bool(session.tokens) and self.lanes.cache_limit > 0 and self._consistent(session)
+        if not keep:
+            self.engine.seq_clear(session.lane)
+        self.lanes.release(session_id, keep)
+        self._clear_evicted()
+
+    def _consistent(self, session: Session) -> bool:
+        return len(session.tokens) == session.position == self.engine.pos_max(session.lane) + 1
 
     def trim(self, session_id: SessionId, token_count: int) -> int:
         """Drop KV at and beyond ``token_count``; the session ends there."""
@@ -87,6 +199,7 @@ class RuntimeState:
         if not self.engine.seq_rm(session.lane, token_count, -1):
             raise EngineFault(f"llama.cpp refused to trim lane {session.lane}", {})
         session.position = token_count
+        session.canonical = min(session.canonical, token_count)
         session.pending = []
         del session.tokens[token_count:]
         self.check_position(session)
@@ -175,6 +288,8 @@ class RuntimeState:
         # no allowed token) and must not leave the others' positions behind.
         for step in steps:
             session = step.session
+            if step.grid and session.canonical == session.position:
+                session.canonical += len(step.tokens)
             session.position += len(step.tokens)
             session.tokens.extend(step.tokens)
             session.last_used = time.monotonic()
@@ -238,6 +353,15 @@ class RuntimeState:
                 | ({"ephemeral": True} if isinstance(s.id, Ephemeral) else {})
                 for s in sorted(self.lanes.sessions.values(), key=lambda s: s.lane)
             ],
+            "prefix_cache": {
+                "lanes_cached": self.lanes.cached,
+                "limit": self.lanes.cache_limit,
+                "hits": self.prefix.hits,
+                "misses": self.prefix.misses,
+                "reused_tokens": self.prefix.reused_tokens,
+                "evictions": self.prefix.evictions,
+                "refused_window": self.prefix.refused_window,
+            },
             "tokens_evaluated": self.tokens_evaluated,
             "uptime_s": round(time.monotonic() - self.started, 3),
         }

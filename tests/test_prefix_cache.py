@@ -1,0 +1,161 @@
+"""Prefix reuse: dropped lanes keep their KV, later prompts with that prefix skip it.
+
+``exact`` reuse (the default) must be bit-identical to a cold prefill; ``any``
+reuse keeps every shared token. The pool's LRU policy and the sliding-window
+guard are checked on their own, without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import start_worker, stop_worker
+from protocol import Client, frames
+from worker.runtime import LanePool, RuntimeState
+
+STORY = (
+    "The harbor town woke slowly. Fishing boats rocked against the pier while gulls "
+    "argued over scraps, and the baker opened his shutters to the smell of rain. "
+)
+
+
+def _prompt(client: Client, tag: str, n: int) -> list[int]:
+    """A prompt of exactly ``n`` tokens, unique to ``tag`` (no other test shares it)."""
+    tokens: list[int] = client.tokenize(f"[{tag}] " + STORY * 40)
+    assert len(tokens) >= n
+    return tokens[:n]
+
+
+def _greedy_with_logits(client: Client, session: str, prompt: list[int], steps: int) -> Any:
+    first = client.prefill_sampled(session, prompt)["token"]
+    tokens, rows = [first], []
+    for _ in range(steps):
+        reply = client.decode(session, tokens[-1], return_logits=True)
+        tokens.append(reply.result["token"])
+        rows.append(np.array(frames.view(reply.result["logits"], reply.buffers)[0]))
+    return tokens, np.stack(rows)
+
+
+def _prefix_stats(client: Client) -> dict[str, int]:
+    stats: dict[str, int] = client.stats()["prefix_cache"]
+    return stats
+
+
+def test_exact_reuse_past_the_sliding_window_is_bit_identical(client: Client) -> None:
+    prompt = _prompt(client, "exact", 600)  # past Gemma 3's 512-token window
+    cold_tokens, cold_rows = _greedy_with_logits(client, "cold", prompt, 8)
+    client.drop("cold")  # the lane keeps its KV and tokens
+    before = _prefix_stats(client)
+    warm_tokens, warm_rows = _greedy_with_logits(client, "warm", prompt, 8)
+    after = _prefix_stats(client)
+    assert after["hits"] == before["hits"] + 1
+    chunk = client.info()["prefill_chunk"]
+    assert after["reused_tokens"] - before["reused_tokens"] == (599 // chunk) * chunk
+    assert warm_tokens == cold_tokens
+    assert float(np.abs(warm_rows - cold_rows).max()) == 0.0
+
+
+def test_generate_reports_cached_tokens_and_same_output(client: Client) -> None:
+    args = {"tokens": _prompt(client, "gen", 300), "max_tokens": 16, "stream": False}
+    first = client.call("generate", None, args).result
+    second = client.call("generate", None, args).result
+    assert first["usage"]["cached_tokens"] == 0
+    assert second["usage"]["cached_tokens"] == 256
+    assert second["tokens"] == first["tokens"]
+
+
+@pytest.fixture(scope="module")
+def cold_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A worker without a prefix cache: the reference for cold prefills."""
+    tmp = tmp_path_factory.mktemp("cold")
+    proc, endpoint, _ = start_worker(tmp, "--lanes", "2", "--ctx", "4096", "--prefix-cache", "0")
+    yield endpoint
+    stop_worker(proc)
+
+
+def test_chat_style_turn_reuses_the_earlier_prompt(client: Client, cold_worker: str) -> None:
+    """A stateless client resends prompt + reply + follow-up: the earlier prompt's
+    whole pieces are reused and the output equals a cold prefill's."""
+    turn1 = _prompt(client, "chat", 280)
+    args: dict[str, Any] = {"max_tokens": 12, "stream": False, "ignore_eos": True}
+    reply = client.call("generate", None, {**args, "tokens": turn1}).result["tokens"]
+    turn2 = turn1 + reply + client.tokenize(" And then?", add_special=False)
+    warm = client.call("generate", None, {**args, "tokens": turn2}).result
+    assert warm["usage"]["cached_tokens"] == 256
+    with Client(cold_worker) as cold:
+        reference = cold.call("generate", None, {**args, "tokens": turn2}).result
+        assert reference["usage"]["cached_tokens"] == 0
+        assert cold.stats()["prefix_cache"]["lanes_cached"] == 0
+    assert warm["tokens"] == reference["tokens"]
+
+
+@pytest.fixture(scope="module")
+def any_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("any")
+    proc, endpoint, _ = start_worker(
+        tmp, "--lanes", "2", "--ctx", "4096", "--prefix-reuse", "any", "--prefix-cache", "1"
+    )
+    yield endpoint
+    stop_worker(proc)
+
+
+def test_any_reuse_keeps_all_but_the_last_token_and_evicts_lru(any_worker: str) -> None:
+    with Client(any_worker) as c:
+        a = _prompt(c, "any-a", 100)
+        b = _prompt(c, "any-b", 100)
+        args: dict[str, Any] = {"max_tokens": 4, "stream": False}
+        c.call("generate", None, {**args, "tokens": a})
+        again = c.call("generate", None, {**args, "tokens": a}).result
+        assert again["usage"]["cached_tokens"] == 99
+        c.call("generate", None, {**args, "tokens": b})  # b's lane replaces a's (limit 1)
+        stats = c.stats()["prefix_cache"]
+        assert stats["lanes_cached"] == 1 and stats["limit"] == 1
+        assert stats["evictions"] >= 1
+        assert c.call("generate", None, {**args, "tokens": a}).result["usage"]["cached_tokens"] == 0
+        # ... and a's run took the only cached lane (b's) and is now the one cached.
+        assert c.call("generate", None, {**args, "tokens": b}).result["usage"]["cached_tokens"] == 0
+
+
+# -- the pool, without a model ---------------------------------------------------------
+
+
+def test_pool_takes_empty_lanes_first_then_the_least_recently_cached() -> None:
+    pool = LanePool(3, cache_limit=-1)
+    for sid in ("a", "b", "c"):
+        (s,) = pool.admit([sid])
+        s.tokens, s.position, s.canonical = [1, 2, 3, ord(sid)], 4, 4
+    pool.release("b", keep=True)
+    pool.release("a", keep=True)
+    assert pool.free == 2 and pool.cached == 2
+    assert pool.best_prefix([1, 2, 3, ord("a"), 9], 4) == (0, 4, 4)
+    (d,) = pool.admit(["d"])  # no empty lane: the LRU cached lane (b's, lane 1) goes
+    assert d.lane == 1 and pool.take_evicted() == [1]
+    pool.release("c", keep=False)
+    (e,) = pool.admit(["e"])  # an empty lane is preferred over a cached one
+    assert e.lane == 2 and pool.take_evicted() == []
+    assert pool.cached == 1
+
+
+def test_pool_honours_its_cache_limit() -> None:
+    pool = LanePool(3, cache_limit=1)
+    for sid in ("a", "b"):
+        (s,) = pool.admit([sid])
+        s.tokens, s.position = [5, 6], 2
+    pool.release("a", keep=True)
+    pool.release("b", keep=True)
+    assert pool.cached == 1 and pool.take_evicted() == [0]
+    assert pool.free == 3
+
+
+def test_sliding_window_guard_refuses_a_prefix_the_window_lost() -> None:
+    engine = SimpleNamespace(n_seq=2, n_ctx_per_seq=4096, n_swa=512, pos_min=lambda lane: 300)
+    rt = RuntimeState(engine, prefix_cache=-1)  # type: ignore[arg-type]
+    assert rt._window_holds(0, 812)  # cells 300..811 still cover the last 512 positions
+    assert not rt._window_holds(0, 700)  # position 188.. would be needed, 300 is the oldest
+    engine.n_swa = 0  # swa_full: every cell is kept
+    assert rt._window_holds(0, 10)
