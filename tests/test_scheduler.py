@@ -30,7 +30,7 @@ from faults import (
 from worker.generate import GenerateJob
 from worker.jobs import AtomicBatchJob, BatchEntry, DecodeJob, Job, PrefillJob, SessionOpJob
 from worker.runtime import Ephemeral, LanePool, Session, SessionId, Step, StepResult
-from worker.scheduler import Scheduler, SchedulerConfig
+from worker.scheduler import Scheduler, SchedulerConfig, TurnClock
 from worker.spec import SamplerSpec
 from worker.ticket import Event, Failure, Outbox, Output, Result, Ticket
 
@@ -712,3 +712,36 @@ def test_ephemeral_session_is_dropped_when_start_fails() -> None:
     assert isinstance(h.error(too_long), ContextOverflow)
     assert h.rt.lanes.free == 1
     assert h.rt.calls == []
+
+
+# -- cadence: turns budgeted by time -------------------------------------------------
+
+
+def test_turn_clock_learns_decode_and_prefill_costs() -> None:
+    clock = TurnClock()
+    assert clock.prefill_allowance(2.5) is None  # nothing measured yet: no time limit
+    clock.record(decode_rows=8, prefill_tokens=0, ms=80.0)
+    clock.record(decode_rows=8, prefill_tokens=30, ms=200.0)  # 30 tokens added 120 ms
+    assert clock.decode_ms == 80.0 and clock.prefill_ms_per_token == 4.0
+    assert clock.prefill_allowance(2.5) == 30  # (2.5 - 1) x 80 ms / 4 ms
+    assert clock.prefill_allowance(0) is None  # cadence off
+    clock.prefill_ms_per_token = 1000.0
+    assert clock.prefill_allowance(2.5) == 16  # never below MIN_CUT: prompts always progress
+
+
+def test_prefill_is_cut_to_the_time_left_while_streams_decode() -> None:
+    h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256)
+    h.submit(h.generate(max_tokens=50))
+    h.turn()  # the stream is decoding from now on
+    h.sched.clock.decode_ms, h.sched.clock.prefill_ms_per_token = 80.0, 4.0
+    h.sched.clock.record = lambda *a: None  # type: ignore[method-assign]  # keep the costs fixed
+    h.submit(h.prefill("p", 100))
+    h.turn(3)
+    sizes = [[len(r.tokens) for r in call] for call in h.rt.calls[1:4]]
+    assert sizes == [[1, 30], [1, 30], [1, 30]]
+    # Without streams, the prompt's piece is taken whole (and on the grid).
+    h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256)
+    h.sched.clock.decode_ms, h.sched.clock.prefill_ms_per_token = 80.0, 4.0
+    h.submit(h.prefill("p", 100))
+    h.turn()
+    assert [len(r.tokens) for r in h.rt.calls[0]] == [100]

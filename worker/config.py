@@ -28,6 +28,7 @@ class WorkerConfig:
     repack: int = 0
     max_batch_tokens: int = 0  # 0 = batch
     prefill_chunk: int = 256
+    cadence: float = 2.5  # while streams decode, a turn lasts at most this x a decode turn
     max_queue: int = 64
     prefix_cache: int = -1  # idle lanes keeping their tokens for reuse; -1 = all, 0 = off
     prefix_reuse: str = "exact"  # "exact" (bit-identical to a cold prefill) or "any"
@@ -65,6 +66,12 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("repack", int, "1 = llama.cpp weight repacking (batch-shape-dependent numerics); 0 = off"),
     ("max-batch-tokens", int, "token budget of one scheduler turn; 0 = batch"),
     ("prefill-chunk", int, "prompt tokens one prefill may add to a turn"),
+    (
+        "cadence",
+        float,
+        "while streams decode, prefill is cut so a turn lasts at most this x a decode-only "
+        "turn (learned); 0 = token budget only",
+    ),
     ("max-queue", int, "requests that may wait for a lane before queue_full"),
     (
         "prefix-cache",

@@ -23,7 +23,7 @@ from typing import Any
 from faults import BadRequest
 
 from .engine import ROW_INVARIANT_ROWS
-from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds
+from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds, on_grid
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .spec import SamplerSpec
 from .speculative import Drafter, accept
@@ -125,11 +125,12 @@ class GenerateJob(Job):
                     top_logprobs=self.top_logprobs,
                 )
             ]
-        n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget)
+        total = len(self.tokens)
+        n = chunk_bounds(self.done, total, self.chunk, budget, self.squeeze)
         self.inflight = n
         if n == 0:
             return []
-        last = self.done + n == len(self.tokens)
+        last = self.done + n == total
         part = self.tokens[self.done : self.done + n]
         return [
             Step(
@@ -138,7 +139,7 @@ class GenerateJob(Job):
                 last,
                 self.spec,
                 top_logprobs=self.top_logprobs,
-                grid=self.from_zero,
+                grid=self.from_zero and on_grid(self.done, n, total, self.chunk),
             )
         ]
 

@@ -39,6 +39,7 @@ class Job:
 
     phase = PHASE_DECODE
     atomic = False  # all of plan() must go in one forward
+    squeeze = False  # set by the scheduler: this turn's prefill may cut a piece
     waits_for_lane = False  # queue (rather than lanes_busy) when no lane
     ephemeral = False  # sessions are created for this job and dropped after
 
@@ -77,20 +78,34 @@ class Job:
                     rt.drop(sid)
 
 
-def chunk_bounds(done: int, total: int, chunk: int, budget: int) -> int:
+# The smallest piece a squeezed turn cuts from a prompt (less is not worth a row).
+MIN_CUT = 16
+
+
+def chunk_bounds(done: int, total: int, chunk: int, budget: int, squeeze: bool = False) -> int:
     """How many prompt tokens to take now (0 = wait for a later turn).
 
     A prompt is prefilled in grid pieces: ``[0, chunk)``, ``[chunk, 2 chunk)``
     ... and a final piece from ``((total - 1) // chunk) * chunk`` to the end,
-    each taken whole or not at all. So the KV cells and the sampled logits of
-    a prompt never depend on how busy the worker was, and a prefix cached
-    from one prompt is, up to a grid point, bit-identical to what a cold
-    prefill of another prompt with that prefix computes (see
-    ``RuntimeState.admit_prompt``). ``done`` is a grid point.
+    each taken whole when the budget allows: a prompt prefilled on the grid
+    has KV cells and logits that do not depend on what else ran, and a prefix
+    cached from it is, up to a grid point, bit-identical to a cold prefill of
+    another prompt sharing it (``RuntimeState.admit_prompt``). A piece that
+    does not fit waits — unless the turn is ``squeeze``d (streams are
+    decoding and the turn's time is short): then up to ``budget`` tokens are
+    cut off the piece so running streams keep their cadence, and the next
+    piece ends on the grid again.
     """
     split = grid_split(total, chunk)
-    n = total - done if done >= split else min(chunk, split - done)
-    return n if n <= budget else 0
+    n = total - done if done >= split else min(chunk - done % chunk, split - done)
+    if n <= budget:
+        return n
+    return budget if squeeze and budget >= MIN_CUT else 0
+
+
+def on_grid(done: int, n: int, total: int, chunk: int) -> bool:
+    """Whether ``[done, done + n)`` is a whole grid piece of a ``total``-token prompt."""
+    return done % chunk == 0 and (n == chunk or done + n == total)
 
 
 class PrefillJob(Job):
@@ -125,14 +140,15 @@ class PrefillJob(Job):
 
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
         assert self.session is not None
-        n = chunk_bounds(self.done, len(self.tokens), self.chunk, budget)
+        total = len(self.tokens)
+        n = chunk_bounds(self.done, total, self.chunk, budget, self.squeeze)
         self.inflight = n
         if n == 0:
             return []
         part = self.tokens[self.done : self.done + n]
-        last = self.done + n == len(self.tokens)
-        sample = self.sampled and last
-        return [Step(self.session, part, sample=sample, spec=self.spec, grid=self.from_zero)]
+        sample = self.sampled and self.done + n == total
+        grid = self.from_zero and on_grid(self.done, n, total, self.chunk)
+        return [Step(self.session, part, sample=sample, spec=self.spec, grid=grid)]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         assert self.session is not None

@@ -8,8 +8,15 @@ then build one batch under the token budget:
    concurrent decodes from different peers coalesce into one forward);
 2. atomic batches (``decode_batch``, ``iteration_batch``), whole or not at
    all; one that did not fit goes first next turn;
-3. prefill chunks, round-robin across jobs, so a long prompt never holds
-   running streams for more than one chunk.
+3. prefill pieces, round-robin across jobs, so a long prompt never holds
+   running streams for more than one piece.
+
+Turns are budgeted by time as well as tokens. The scheduler learns what a
+decode-only turn costs and what one prefill token adds (moving averages of
+measured forwards). While streams are decoding, prefill gets only the tokens
+that keep the turn within ``cadence`` x a decode-only turn, cutting a piece
+if it must (``Job.squeeze``), so a prompt arriving mid-stream delays each
+running stream's next token by a bounded amount instead of a whole piece.
 
 The scheduler knows nothing about sockets: jobs answer through their
 ``Ticket`` into the outbox, which the edge empties after the turn.
@@ -26,7 +33,7 @@ from structlog import get_logger
 
 from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
 
-from .jobs import PHASE_ATOMIC, PHASE_DECODE, Job
+from .jobs import MIN_CUT, PHASE_ATOMIC, PHASE_DECODE, Job
 from .runtime import RuntimeState, SessionId, Step
 from .stats import SchedulerStats
 
@@ -39,6 +46,35 @@ class SchedulerConfig:
     prefill_chunk: int = 256
     max_queue: int = 64
     admission_timeout_ms: int = 60_000
+    cadence: float = 2.5  # a turn with streams decoding lasts at most this x a decode turn; 0 = off
+
+
+class TurnClock:
+    """What a turn costs, learned from measured forwards (moving averages)."""
+
+    ALPHA = 0.2
+
+    def __init__(self) -> None:
+        self.decode_ms: float | None = None  # a decode-only turn
+        self.prefill_ms_per_token: float | None = None
+
+    def record(self, decode_rows: int, prefill_tokens: int, ms: float) -> None:
+        a = self.ALPHA
+        if prefill_tokens == 0:
+            if decode_rows:
+                self.decode_ms = ms if self.decode_ms is None else (1 - a) * self.decode_ms + a * ms
+            return
+        extra = ms - (self.decode_ms or 0.0) if decode_rows else ms
+        per = max(extra, 0.0) / prefill_tokens
+        old = self.prefill_ms_per_token
+        self.prefill_ms_per_token = per if old is None else (1 - a) * old + a * per
+
+    def prefill_allowance(self, cadence: float) -> int | None:
+        """Prefill tokens a turn with decoding streams may carry; None = no limit known."""
+        if cadence <= 0 or self.decode_ms is None or not self.prefill_ms_per_token:
+            return None
+        room = (cadence - 1.0) * self.decode_ms
+        return max(MIN_CUT, int(room / self.prefill_ms_per_token))  # never starve a prompt
 
 
 class Scheduler:
@@ -51,6 +87,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._turn = 0
         self._boost: Job | None = None  # atomic job that missed the last turn
+        self.clock = TurnClock()
 
     # -- intake ------------------------------------------------------------
 
@@ -118,7 +155,11 @@ class Scheduler:
                 self._finish(job, exc)
             return
         finally:
-            self.stats.record_forward(steps, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.stats.record_forward(steps, seconds)
+            decode_rows = sum(1 for s in steps if len(s.tokens) == 1 or s.all_rows)
+            prefill = sum(len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows)
+            self.clock.record(decode_rows, prefill, seconds * 1000)
         offset = 0
         for job, count in owners:
             part = results[offset : offset + count]
@@ -233,7 +274,11 @@ class Scheduler:
         if boosted is not None:
             stable.remove(boosted)
             stable.insert(0, boosted)
+        streaming = any(j.phase == PHASE_DECODE for j in self.active)
+        allowance = self.clock.prefill_allowance(self.cfg.cadence) if streaming else None
         for phase in (PHASE_DECODE, PHASE_ATOMIC, None):
+            if phase is None and allowance is not None:
+                budget = min(budget, allowance)  # the time left for prefill this turn
             for job in stable if phase is not None else rotated:
                 in_phase = job.phase == phase if phase is not None else job.phase > PHASE_ATOMIC
                 if boosted is job and phase is PHASE_DECODE:
@@ -244,6 +289,7 @@ class Scheduler:
                     continue
                 # plan() with no budget left returns nothing, and an atomic job
                 # that could not run is boosted to go first next turn.
+                job.squeeze = phase is None and allowance is not None
                 planned = job.plan(self.rt, max(0, budget))
                 if not planned:
                     if job.atomic and self._boost is None:

@@ -55,6 +55,7 @@ class LlmService:
                 prefill_chunk=cfg.prefill_chunk,
                 max_queue=cfg.max_queue,
                 admission_timeout_ms=cfg.admission_timeout_ms,
+                cadence=cfg.cadence,
             ),
         )
         self.outbox = Outbox()

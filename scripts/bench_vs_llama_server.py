@@ -1,0 +1,310 @@
+"""skiff against llama.cpp's own llama-server, scenario by scenario, same run.
+
+Both systems serve the packaged model with 2 threads and 8 lanes / slots
+(``--parallel 8``, 8192 cells), greedy, EOS ignored, 128 new tokens per
+request, streamed. One system runs at a time (2 noisy cores). Every user is a
+thread sending its requests one after another (closed loop):
+
+  distinct   every prompt is new (nothing a cache could reuse)
+  repeated   each user sends its first prompt again on its 3rd request
+  chat       each request = the previous prompt + its reply + a follow-up,
+             sent whole, as a chat client of a stateless API does
+
+Arrivals: ``burst`` (all users start together) and ``staggered`` (0.5 s
+apart). Prompts are ~128 tokens, token ids sent to both systems. Printed per
+scenario, arrival and concurrency: aggregate tok/s (completion tokens / wall
+time), TTFT p50, inter-token latency p50 / p99, and the skiff / llama-server
+ratios. ``--cold-prefix`` adds the TTFT of a 1,000-token prompt cold vs with
+the prefix cached.
+
+    .venv/bin/python scripts/build_llama_server.py     # once, ~10 min
+    .venv/bin/python scripts/bench_vs_llama_server.py [--concurrency 1,4,8]
+        [--scenarios distinct,repeated,chat] [--arrivals burst,staggered]
+        [--skiff-args "--prefix-reuse any"] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from build_llama_server import built  # noqa: E402
+
+from loadtest.prompts import prompt_of_tokens  # noqa: E402
+from protocol import Client  # noqa: E402
+from worker.models import default_model_path  # noqa: E402
+
+THREADS, LANES, N_CTX, NEW_TOKENS, REQUESTS = 2, 8, 8192, 128, 4
+FOLLOW_UP = " Tell me more about that, please."
+
+
+@dataclass
+class Record:
+    ttft: float
+    gaps: list[float]
+    tokens: list[int]
+
+
+@dataclass
+class Result:
+    wall: float
+    records: list[Record] = field(default_factory=list)
+
+    def row(self) -> dict[str, float]:
+        tokens = sum(len(r.tokens) for r in self.records)
+        gaps = sorted(g for r in self.records for g in r.gaps)
+        ttfts = sorted(r.ttft for r in self.records)
+
+        def pct(xs: list[float], q: float) -> float:
+            return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
+
+        return {
+            "tok_s": tokens / self.wall,
+            "ttft_p50": pct(ttfts, 0.5),
+            "itl_p50": pct(gaps, 0.5),
+            "itl_p99": pct(gaps, 0.99),
+        }
+
+
+# -- the two systems, one method each -------------------------------------------------
+
+
+class Skiff:
+    name = "skiff"
+
+    def __init__(self, model: str, extra: list[str]) -> None:
+        self.tmp = tempfile.mkdtemp()
+        self.endpoint = f"ipc://{self.tmp}/w.sock"
+        cmd = [sys.executable, "-m", "worker.cli", "--bind", self.endpoint, "--model", model,
+               "--lanes", str(LANES), "--ctx", str(N_CTX), "--threads", str(THREADS),
+               "--log-level", "warning", *extra]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=ROOT)
+        with Client(self.endpoint) as c:
+            c.wait_ready(120, alive=lambda: self.proc.poll() is None)
+
+    def complete(self, tokens: list[int]) -> Record:
+        args = {"tokens": tokens, "max_tokens": NEW_TOKENS, "ignore_eos": True}
+        out: list[int] = []
+        stamps: list[float] = []
+        t0 = time.perf_counter()
+        with Client(self.endpoint, timeout_ms=600_000) as c:
+            for ev in c.generate(args):
+                if ev.header.get("event") == "token":
+                    stamps.append(time.perf_counter())
+                    out.append(ev.header["token"])
+        return Record(stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)], out)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class LlamaServer:
+    name = "llama-server"
+
+    def __init__(self, binary: str, model: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [binary, "-m", model, "--threads", str(THREADS), "--threads-batch", str(THREADS),
+               "--parallel", str(LANES), "--ctx-size", str(N_CTX),
+               "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("llama-server did not become healthy")
+
+    def complete(self, tokens: list[int]) -> Record:
+        body = {
+            "prompt": tokens,
+            "n_predict": NEW_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": True,
+            "return_tokens": True,
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        t0 = time.perf_counter()
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        out: list[int] = []
+        stamps: list[float] = []
+        while line := resp.readline():
+            if not line.startswith(b"data:"):
+                continue
+            data = json.loads(line[5:])
+            got = data.get("tokens") or []
+            if got:
+                now = time.perf_counter()
+                stamps.extend([now] * len(got))
+                out.extend(got)
+            if data.get("stop"):
+                break
+        conn.close()
+        return Record(stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)], out)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+# -- workloads -----------------------------------------------------------------------
+
+
+def run(system: Any, scenario: str, c: int, stagger: float, prompts: list[list[int]],
+        follow: list[int]) -> Result:  # fmt: skip
+    records: list[Record] = []
+    lock = threading.Lock()
+
+    def user(u: int) -> None:
+        time.sleep(u * stagger)
+        prompt = prompts[(u * 7) % len(prompts)]
+        for r in range(REQUESTS):
+            if scenario == "distinct":
+                prompt = prompts[(u * REQUESTS + r + 1) % len(prompts)]
+            elif scenario == "repeated":
+                prompt = prompts[(u * REQUESTS + (0 if r == 2 else r)) % len(prompts)]
+            rec = system.complete(prompt)
+            with lock:
+                records.append(rec)
+            if scenario == "chat":
+                prompt = prompt + rec.tokens + follow
+
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(c)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return Result(time.perf_counter() - t0, records)
+
+
+def cold_vs_cached(system: Any, prefix: list[int], tail: list[list[int]]) -> tuple[float, float]:
+    """TTFT of a 1,000-token prompt cold, then of prompts sharing its prefix."""
+    cold = system.complete(prefix + tail[0]).ttft
+    warm = statistics.median(system.complete(prefix + t).ttft for t in tail[1:])
+    return cold, warm
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--scenarios", default="distinct,repeated,chat")
+    parser.add_argument("--arrivals", default="burst,staggered")
+    parser.add_argument("--llama-server", help="llama-server binary (default: the cached build)")
+    parser.add_argument("--skiff-args", default="", help="extra skiff-worker flags")
+    parser.add_argument("--cold-prefix", action="store_true", help="also the 1,000-token TTFT")
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args()
+    binary = args.llama_server or (str(built()) if built() else None)
+    if binary is None:
+        sys.exit("no llama-server: run scripts/build_llama_server.py or pass --llama-server")
+    model = str(default_model_path())
+    levels = [int(x) for x in args.concurrency.split(",")]
+    scenarios = args.scenarios.split(",")
+    arrivals = {"burst": 0.0, "staggered": 0.5}
+    chosen = [a for a in args.arrivals.split(",") if a in arrivals]
+
+    prompts, follow, prefix, tails = _token_ids(model)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    systems: list[Callable[[], Any]] = [
+        lambda: Skiff(model, shlex.split(args.skiff_args)),
+        lambda: LlamaServer(binary, model),
+    ]
+    for make in systems:
+        system = make()
+        try:
+            system.complete(prompts[-1])  # warm-up
+            out = results.setdefault(system.name, {})
+            for scenario in scenarios:
+                for arrival in chosen:
+                    for c in levels:
+                        res = run(system, scenario, c, arrivals[arrival], prompts[:-1], follow)
+                        key = f"{scenario} {arrival} c={c}"
+                        out[key] = res.row()
+                        print(f"  {system.name:<13} {key:<24} {out[key]['tok_s']:6.1f} tok/s "
+                              f"TTFT p50 {out[key]['ttft_p50']:7.1f} ms  ITL p50/p99 "
+                              f"{out[key]['itl_p50']:6.1f}/{out[key]['itl_p99']:7.1f} ms",
+                              file=sys.stderr, flush=True)  # fmt: skip
+            if args.cold_prefix:
+                cold, warm = cold_vs_cached(system, prefix, tails)
+                out["cached 1000-token prefix"] = {
+                    "cold_ttft": cold * 1000,
+                    "warm_ttft": warm * 1000,
+                }
+        finally:
+            system.close()
+    report(results)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _token_ids(model: str) -> tuple[list[list[int]], list[int], list[int], list[list[int]]]:
+    """Prompts as token ids (both systems get the same ids), tokenized in-process."""
+    from worker.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model_path=model, n_ctx=512, n_seq=1, n_threads=THREADS))
+    try:
+        tok = engine.tokenize
+        prompts = [tok(prompt_of_tokens(128, seed)) for seed in range(64)]
+        follow = tok(FOLLOW_UP, add_special=False)
+        prefix = tok(prompt_of_tokens(1000, 999))[:1000]
+        tails = [tok(f" Question {i}: what happened next?", add_special=False) for i in range(4)]
+        return prompts, follow, prefix, tails
+    finally:
+        engine.close()
+
+
+def report(results: dict[str, dict[str, dict[str, float]]]) -> None:
+    skiff, peer = results.get("skiff", {}), results.get("llama-server", {})
+    print(f"\n{'workload':<26}{'tok/s s/l':>16}{'ratio':>7}{'TTFT p50 s/l ms':>20}"
+          f"{'ITL p99 s/l ms':>18}")  # fmt: skip
+    for key, s in skiff.items():
+        p = peer.get(key)
+        if p is None or "tok_s" not in s:
+            continue
+        tok = f"{s['tok_s']:>7.1f}/{p['tok_s']:<8.1f}{s['tok_s'] / p['tok_s']:>7.2f}"
+        ttft = f"{s['ttft_p50']:>10.0f}/{p['ttft_p50']:<9.0f}"
+        itl = f"{s['itl_p99']:>9.0f}/{p['itl_p99']:<8.0f}"
+        print(f"{key:<26}{tok}{ttft}{itl}")
+    for name, rows in results.items():
+        cached = rows.get("cached 1000-token prefix")
+        if cached:
+            ratio = cached["warm_ttft"] / cached["cold_ttft"]
+            print(f"{name}: 1,000-token prefix TTFT cold {cached['cold_ttft']:.0f} ms, cached "
+                  f"{cached['warm_ttft']:.0f} ms, ratio {ratio:.2f} (target <= 0.2)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
