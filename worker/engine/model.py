@@ -69,6 +69,8 @@ class EngineConfig:
     n_ubatch: int = 512
     n_threads: int = 2
     repack: bool = False
+    swa_full: bool = True  # keep every sliding-window cell (exact trim to any position)
+    kv_unified: bool | None = None  # None: unified only when lanes may exceed an equal share
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,10 @@ class Engine:
         cparams.n_seq_max = cfg.n_seq
         cparams.n_threads = cfg.n_threads
         cparams.n_threads_batch = cfg.n_threads
-        cparams.swa_full = True
-        cparams.kv_unified = per_seq * cfg.n_seq > cfg.n_ctx
+        cparams.swa_full = cfg.swa_full
+        cparams.kv_unified = (
+            per_seq * cfg.n_seq > cfg.n_ctx if cfg.kv_unified is None else cfg.kv_unified
+        )
         cparams.no_perf = True
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
