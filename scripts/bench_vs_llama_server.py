@@ -237,7 +237,7 @@ def main() -> int:
         sys.exit("no llama-server: run scripts/build_llama_server.py or pass --llama-server")
     model = str(default_model_path())
     levels = [int(x) for x in args.concurrency.split(",")]
-    scenarios = args.scenarios.split(",")
+    scenarios = [s for s in args.scenarios.split(",") if s and s != "none"]
     arrivals = {"burst": 0.0, "staggered": 0.5}
     chosen = [a for a in args.arrivals.split(",") if a in arrivals]
 

@@ -158,7 +158,7 @@ class FakeRuntime:
 class Harness:
     """A scheduler over a fake runtime, with job builders and collected outputs."""
 
-    def __init__(self, lanes: int = 2, ctx: int = 256, **cfg: int) -> None:
+    def __init__(self, lanes: int = 2, ctx: int = 256, **cfg: float) -> None:
         self.rt = FakeRuntime(lanes, ctx)
         self.cfg = SchedulerConfig(**cfg)
         self.sched = Scheduler(self.rt, self.cfg)  # type: ignore[arg-type]
@@ -730,7 +730,7 @@ def test_turn_clock_learns_decode_and_prefill_costs() -> None:
 
 
 def test_prefill_is_cut_to_the_time_left_while_streams_decode() -> None:
-    h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256)
+    h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256, cadence=2.5)
     h.submit(h.generate(max_tokens=50))
     h.turn()  # the stream is decoding from now on
     h.sched.clock.decode_ms, h.sched.clock.prefill_ms_per_token = 80.0, 4.0
@@ -740,7 +740,7 @@ def test_prefill_is_cut_to_the_time_left_while_streams_decode() -> None:
     sizes = [[len(r.tokens) for r in call] for call in h.rt.calls[1:4]]
     assert sizes == [[1, 30], [1, 30], [1, 30]]
     # Without streams, the prompt's piece is taken whole (and on the grid).
-    h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256)
+    h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256, cadence=2.5)
     h.sched.clock.decode_ms, h.sched.clock.prefill_ms_per_token = 80.0, 4.0
     h.submit(h.prefill("p", 100))
     h.turn()

@@ -28,7 +28,7 @@ class WorkerConfig:
     repack: int = 0
     max_batch_tokens: int = 0  # 0 = batch
     prefill_chunk: int = 256
-    cadence: float = 2.5  # while streams decode, a turn lasts at most this x a decode turn
+    cadence: float = 0.0  # while streams decode, a turn lasts at most this x a decode turn; 0 = off
     max_queue: int = 64
     prefix_cache: int = -1  # idle lanes keeping their tokens for reuse; -1 = all, 0 = off
     prefix_reuse: str = "exact"  # "exact" (bit-identical to a cold prefill) or "any"

@@ -46,7 +46,7 @@ class SchedulerConfig:
     prefill_chunk: int = 256
     max_queue: int = 64
     admission_timeout_ms: int = 60_000
-    cadence: float = 2.5  # a turn with streams decoding lasts at most this x a decode turn; 0 = off
+    cadence: float = 0.0  # a turn with streams decoding lasts at most this x a decode turn; 0 = off
 
 
 class TurnClock:
