@@ -41,14 +41,13 @@ from faults import (
     code_of,
 )
 from protocol import codec, sockets
-from protocol.envelope import VERSION, error_reply, ok_reply
+from protocol.envelope import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
 
 from . import logs
 
 _log = logs.get_logger("skiff.edge")
 
 MAX_OP_CHARS = 64
-MAX_SESSION_CHARS = 256
 
 
 class _Undecodable(BadRequest):

@@ -14,6 +14,7 @@ from typing import Any
 from faults import ErrorCode
 
 VERSION = 1
+MAX_SESSION_CHARS = 256  # a session id is a string of 1..256 characters
 
 
 class Op(StrEnum):
@@ -41,7 +42,16 @@ class Op(StrEnum):
     SYNTHESIZE = "synthesize"  # the speech worker's
 
 
-__all__ = ["VERSION", "ErrorCode", "Op", "error_reply", "event_reply", "ok_reply", "request"]
+__all__ = [
+    "MAX_SESSION_CHARS",
+    "VERSION",
+    "ErrorCode",
+    "Op",
+    "error_reply",
+    "event_reply",
+    "ok_reply",
+    "request",
+]
 
 
 def request(

@@ -61,7 +61,6 @@ FALLBACK_TEMPLATE = """\
 {%- endif -%}
 """
 
-MAX_MESSAGES = 4096
 _PROBE = "skiffprobe7f3a"  # an assistant message's text, to find the closer
 _BOS_SPELLINGS = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "<|endoftext|>")
 _EOS_SPELLINGS = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>")

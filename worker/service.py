@@ -29,7 +29,7 @@ from .runtime import RuntimeState
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import GrammarChecker
 from .speculative import DraftModel
-from .ticket import Event, Failure, Outbox, Output, Result, Ticket
+from .ticket import Event, Failure, Outbox, Output, Ticket
 
 _log = get_logger("skiff.worker")
 
@@ -152,23 +152,24 @@ def render(ticket: Ticket, output: Output) -> Outgoing:
     """One typed output as a wire message (arrays become tensor frames)."""
     peer = ticket.owner
     assert isinstance(peer, bytes)  # the edge made the ticket from a peer id
-    logs.bind_request(ticket.id, ticket.op, ticket.session)
-    try:
-        if isinstance(output, Failure):
+    if isinstance(output, Failure):
+        # Only a failure logs; bind the request keys for that line alone
+        # (not on every streamed token).
+        logs.bind_request(ticket.id, ticket.op, ticket.session)
+        try:
             return Outgoing(peer, failure_header(ticket.id, output.error, ticket.op))
-        buffers: list[Any] = []
-        data = dict(output.data)
-        for name, array in output.arrays.items():
-            data[name] = frames.attach(array, buffers)
-        if isinstance(output, Event):
-            return Outgoing(peer, event_reply(ticket.id, data), buffers)
-        assert isinstance(output, Result)
-        header = ok_reply(ticket.id, data)
-        if output.done:
-            header["done"] = True
-        return Outgoing(peer, header, buffers)
-    finally:
-        logs.clear_request()
+        finally:
+            logs.clear_request()
+    buffers: list[Any] = []
+    data = dict(output.data)
+    for name, array in output.arrays.items():
+        data[name] = frames.attach(array, buffers)
+    if isinstance(output, Event):
+        return Outgoing(peer, event_reply(ticket.id, data), buffers)
+    header = ok_reply(ticket.id, data)
+    if output.done:
+        header["done"] = True
+    return Outgoing(peer, header, buffers)
 
 
 __all__ = ["LlmService", "render"]

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from faults import BadRequest, ContextOverflow
+from protocol.envelope import MAX_SESSION_CHARS
 
 from .spec import (
     DEFAULT_DRY_BREAKERS,
@@ -29,7 +30,6 @@ from .spec import (
 )
 
 MAX_MESSAGES = 4096
-MAX_SESSION_CHARS = 256
 
 
 def shown(value: Any, limit: int = 64) -> str:
