@@ -158,11 +158,13 @@ class FakeRuntime:
 class Harness:
     """A scheduler over a fake runtime, with job builders and collected outputs."""
 
-    def __init__(self, lanes: int = 2, ctx: int = 256, **cfg: float) -> None:
+    def __init__(
+        self, lanes: int = 2, ctx: int = 256, prefill_chunk: int = 128, **cfg: float
+    ) -> None:
         self.rt = FakeRuntime(lanes, ctx)
-        self.cfg = SchedulerConfig(**cfg)
+        self.cfg = SchedulerConfig(**cfg)  # type: ignore[arg-type]
         self.sched = Scheduler(self.rt, self.cfg)  # type: ignore[arg-type]
-        self.chunk = min(self.cfg.prefill_chunk, self.cfg.max_batch_tokens)  # as the service
+        self.chunk = min(prefill_chunk, self.cfg.max_batch_tokens)  # as the service
         self.outbox = Outbox()
         self.outputs: dict[int, list[Output]] = defaultdict(list)
         self._ids = itertools.count(1)

@@ -27,7 +27,7 @@ class WorkerConfig:
     threads: int = 0  # 0 = all cores
     repack: int = 0
     max_batch_tokens: int = 0  # 0 = batch
-    prefill_chunk: int = 256
+    prefill_chunk: int = 128
     cadence: float = 0.0  # while streams decode, a turn lasts at most this x a decode turn; 0 = off
     max_queue: int = 64
     prefix_cache: int = -1  # idle lanes keeping their tokens for reuse; -1 = all, 0 = off

@@ -43,7 +43,6 @@ _log = get_logger("skiff.scheduler")
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_tokens: int = 512
-    prefill_chunk: int = 256
     max_queue: int = 64
     admission_timeout_ms: int = 60_000
     cadence: float = 0.0  # a turn with streams decoding lasts at most this x a decode turn; 0 = off

@@ -52,7 +52,6 @@ class LlmService:
             self.rt,
             SchedulerConfig(
                 max_batch_tokens=cfg.budget,
-                prefill_chunk=cfg.prefill_chunk,
                 max_queue=cfg.max_queue,
                 admission_timeout_ms=cfg.admission_timeout_ms,
                 cadence=cfg.cadence,
