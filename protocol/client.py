@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import codec, envelope, sockets
+from . import codec, envelope, frames, sockets
 
 
 class SkiffError(Exception):
@@ -47,6 +47,13 @@ class Reply:
     @property
     def done(self) -> bool:
         return bool(self.header.get("done", "event" not in self.header))
+
+    @property
+    def frame(self) -> frames.Frame:
+        """The reply's tensor frame (zero-copy views over its buffers); a
+        result carries it under ``result.frame``, a stream event under ``frame``."""
+        raw = self.result.get("frame") if "result" in self.header else self.header.get("frame")
+        return frames.parse(raw, self.buffers)
 
     def raise_for_error(self) -> Reply:
         if not self.header.get("ok", False):
@@ -79,7 +86,12 @@ class _Ops:
     """One method per op. ``_invoke`` returns the value (sync) or an awaitable."""
 
     def _invoke(
-        self, op: str, session: str | None, args: dict[str, Any] | None, extract: Extract
+        self,
+        op: str,
+        session: str | None,
+        args: dict[str, Any] | None,
+        extract: Extract,
+        buffers: Sequence[Any] = (),
     ) -> Any:
         raise NotImplementedError
 
@@ -101,9 +113,61 @@ class _Ops:
             "detokenize", None, {"tokens": list(tokens)}, lambda r: r.result["text"]
         )
 
-    def prefill(self, session: str, tokens: Sequence[int]) -> Any:
-        args = {"tokens": list(tokens)}
+    def prefill(
+        self, session: str, tokens: Sequence[int], output: Sequence[str] | None = None
+    ) -> Any:
+        """The new position; with ``output``, the whole ``Reply`` (its ``frame``)."""
+        args: dict[str, Any] = {"tokens": list(tokens)}
+        if output:
+            args["output"] = list(output)
+            return self._invoke("prefill", session, args, _keep_reply)
         return self._invoke("prefill", session, args, lambda r: r.result["position"])
+
+    def prefill_embd(
+        self,
+        session: str,
+        embd: Any,
+        positions: Sequence[int] | None = None,
+        output: Sequence[str] | None = None,
+    ) -> Any:
+        """Prefill input embeddings ``[tokens, n_embd]`` f32 instead of tokens."""
+        frame = frames.make_frame([("embd", embd, 0)], positions=positions)
+        buffers: list[Any] = []
+        args: dict[str, Any] = {"input": frames.attach(frame, buffers)}
+        if output:
+            args["output"] = list(output)
+        return self._invoke("prefill", session, args, _keep_reply, buffers)
+
+    def embed(
+        self, text: str | None = None, tokens: Sequence[int] | None = None, pooling: str = "mean"
+    ) -> Any:
+        """The final hidden states of a prompt (``Reply``; ``reply.frame``)."""
+        args: dict[str, Any] = {"pooling": pooling}
+        if text is not None:
+            args["text"] = text
+        if tokens is not None:
+            args["tokens"] = list(tokens)
+        return self._invoke("embed", None, args, _keep_reply)
+
+    def export_state(self, session: str) -> Any:
+        """``Reply`` with ``result["session_state"]`` and a ``kv_state`` frame."""
+        return self._invoke("export_state", session, None, _keep_reply)
+
+    def import_state(self, session: str, exported: Reply) -> Any:
+        """Load what ``export_state`` returned (on any worker of the same model)."""
+        args = {
+            "session_state": exported.result["session_state"],
+            "frame": exported.result["frame"],
+        }
+        return self._invoke(
+            "import_state", session, args, lambda r: r.result["position"], exported.buffers
+        )
+
+    def echo(self, frame: frames.Frame) -> Any:
+        """Send a frame and get it back (``Reply``): a check of the frame path."""
+        buffers: list[Any] = []
+        args = {"frame": frames.attach(frame, buffers)}
+        return self._invoke("echo", None, args, _keep_reply, buffers)
 
     def prefill_sampled(
         self, session: str, tokens: Sequence[int], sampling: dict[str, Any] | None = None
@@ -119,19 +183,28 @@ class _Ops:
         token: int,
         sampling: dict[str, Any] | None = None,
         return_logits: bool = False,
+        output: Sequence[str] | None = None,
     ) -> Any:
+        """The result map; with ``return_logits`` or ``output`` the ``Reply``."""
         args: dict[str, Any] = {"token": token}
         if sampling is not None:
             args["sampling"] = sampling
-        if return_logits:
-            args["return_logits"] = True
-        return self._invoke("decode", session, args, _keep_reply if return_logits else _result)
+        wanted = list(output) if output else (["logits"] if return_logits else [])
+        if wanted:
+            args["output"] = wanted
+        return self._invoke("decode", session, args, _keep_reply if wanted else _result)
 
-    def decode_batch(self, requests: Sequence[dict[str, Any]], return_logits: bool = False) -> Any:
+    def decode_batch(
+        self,
+        requests: Sequence[dict[str, Any]],
+        return_logits: bool = False,
+        output: Sequence[str] | None = None,
+    ) -> Any:
         args: dict[str, Any] = {"requests": list(requests)}
-        if return_logits:
-            args["return_logits"] = True
-        extract = _keep_reply if return_logits else (lambda r: r.result["tokens"])
+        wanted = list(output) if output else (["logits"] if return_logits else [])
+        if wanted:
+            args["output"] = wanted
+        extract = _keep_reply if wanted else (lambda r: r.result["tokens"])
         return self._invoke("decode_batch", None, args, extract)
 
     def iteration_batch(self, requests: Sequence[dict[str, Any]]) -> Any:
@@ -283,9 +356,24 @@ class Client(_Ops):
         yield from self.stream("generate", session, {**args, "stream": True})
 
     def _invoke(
-        self, op: str, session: str | None, args: dict[str, Any] | None, extract: Extract
+        self,
+        op: str,
+        session: str | None,
+        args: dict[str, Any] | None,
+        extract: Extract,
+        buffers: Sequence[Any] = (),
     ) -> Any:
-        return extract(self.call(op, session, args))
+        return extract(self.call(op, session, args, buffers))
+
+    def migrate(self, session: str, to: Client) -> int:
+        """Move a session to the worker behind ``to``: export here, import
+        there, drop here. Returns its position on the destination. The
+        state's buffers pass through this process without a copy; on a
+        failed import the session stays here untouched."""
+        reply = self.export_state(session)
+        position = int(to.import_state(session, reply))
+        self.drop(session)
+        return position
 
 
 class AsyncClient(_Ops):
@@ -383,11 +471,21 @@ class AsyncClient(_Ops):
         return self.stream("generate", session, {**args, "stream": True})
 
     async def _ainvoke(
-        self, op: str, session: str | None, args: dict[str, Any] | None, extract: Extract
+        self,
+        op: str,
+        session: str | None,
+        args: dict[str, Any] | None,
+        extract: Extract,
+        buffers: Sequence[Any] = (),
     ) -> Any:
-        return extract(await self.call(op, session, args))
+        return extract(await self.call(op, session, args, buffers))
 
     def _invoke(
-        self, op: str, session: str | None, args: dict[str, Any] | None, extract: Extract
+        self,
+        op: str,
+        session: str | None,
+        args: dict[str, Any] | None,
+        extract: Extract,
+        buffers: Sequence[Any] = (),
     ) -> Any:
-        return self._ainvoke(op, session, args, extract)
+        return self._ainvoke(op, session, args, extract, buffers)

@@ -39,6 +39,10 @@ class Op(StrEnum):
     TRIM = "trim"
     ALIGN = "align"
     DROP = "drop"
+    EMBED = "embed"
+    EXPORT_STATE = "export_state"
+    IMPORT_STATE = "import_state"
+    ECHO = "echo"
     SYNTHESIZE = "synthesize"  # the speech worker's
 
 

@@ -62,14 +62,12 @@ def describe_divergence(client: Client, plain: list[int], spec: list[int]) -> tu
     """Where two greedy runs part, and the plain path's top-2 logit margin there."""
     import numpy as np
 
-    from protocol import frames
-
     i = next(k for k, (a, b) in enumerate(zip(plain, spec, strict=True)) if a != b)
     client.prefill_sampled("margin", client.tokenize(PROMPT))
     for tok in plain[: i - 1]:
         client.decode("margin", tok)
     reply = client.decode("margin", plain[i - 1], return_logits=True)
-    row = np.sort(frames.view(reply.result["logits"], reply.buffers)[0])
+    row = np.sort(reply.frame.array("logits")[0])
     client.drop("margin")
     margin = float(row[-1] - row[-2])
     return f" (first divergence at token {i}: top-2 margin {margin:.4f})", margin

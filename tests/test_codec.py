@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import msgpack
-import numpy as np
 import pytest
 
-from protocol import codec, envelope, frames
+from protocol import codec, envelope
 
 
 def test_header_round_trip() -> None:
@@ -34,20 +33,3 @@ def test_error_reply_shape() -> None:
         "ok": False,
         "error": {"code": "queue_full", "message": "full", "retry_after_ms": 50},
     }
-
-
-def test_tensor_frame_is_zero_copy_both_ways() -> None:
-    array = np.arange(12, dtype=np.float32).reshape(3, 4)
-    buffers: list[object] = []
-    desc = frames.attach(array, buffers)
-    assert desc == {"buffer": 0, "dtype": "float32", "shape": [3, 4], "nbytes": 48}
-    out = frames.view(desc, buffers)
-    np.testing.assert_array_equal(out, array)
-    assert np.shares_memory(out, array)
-
-
-def test_tensor_frame_rejects_size_mismatch() -> None:
-    with pytest.raises(frames.FrameError):
-        frames.view({"buffer": 0, "dtype": "float32", "shape": [5]}, [b"\x00" * 8])
-    with pytest.raises(frames.FrameError):
-        frames.view({"buffer": 3, "dtype": "float32", "shape": [1]}, [b"\x00" * 4])

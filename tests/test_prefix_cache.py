@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import start_worker, stop_worker
-from protocol import Client, frames
+from protocol import Client
 from worker.runtime import LanePool, RuntimeState
 
 STORY = (
@@ -37,7 +37,7 @@ def _greedy_with_logits(client: Client, session: str, prompt: list[int], steps: 
     for _ in range(steps):
         reply = client.decode(session, tokens[-1], return_logits=True)
         tokens.append(reply.result["token"])
-        rows.append(np.array(frames.view(reply.result["logits"], reply.buffers)[0]))
+        rows.append(np.array(reply.frame.array("logits")[0]))
     return tokens, np.stack(rows)
 
 
@@ -155,7 +155,11 @@ def test_pool_honours_its_cache_limit() -> None:
 def test_sliding_window_guard_refuses_a_prefix_the_window_lost() -> None:
     engine = SimpleNamespace(n_seq=2, n_ctx_per_seq=4096, n_swa=512, pos_min=lambda lane: 300)
     rt = RuntimeState(engine, prefix_cache=-1)  # type: ignore[arg-type]
-    assert rt._window_holds(0, 812)  # cells 300..811 still cover the last 512 positions
-    assert not rt._window_holds(0, 700)  # position 188.. would be needed, 300 is the oldest
-    engine.n_swa = 0  # swa_full: every cell is kept
-    assert rt._window_holds(0, 10)
+    assert rt.window_holds(0, 812)  # cells 300..811 still cover the last 512 positions
+    assert not rt.window_holds(0, 700)  # position 188.. would be needed, 300 is the oldest
+    assert rt.window_holds(0, 0)  # nothing kept: nothing needed
+    engine.pos_min = lambda lane: 0  # a lane prefilled here with swa_full keeps every cell
+    assert rt.window_holds(0, 10)
+    engine.n_swa = 0  # a model without sliding-window layers
+    engine.pos_min = lambda lane: 300
+    assert rt.window_holds(0, 10)

@@ -47,6 +47,8 @@ def sampled_token(position: int) -> int:
 
 
 class FakeEngine:
+    n_layer = 4
+
     def piece(self, token: int) -> bytes:
         return f"<{token}>".encode()
 
@@ -89,6 +91,7 @@ class FakeRuntime:
         prompt: Sequence[int],
         ephemeral: bool = False,
         grid: int = 1,
+        reuse: bool = True,
     ) -> tuple[Session, int]:
         known = self.lanes.get(session_id)
         if known is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol import Client, frames
+from protocol import Client
 from worker.runtime.signals import logprobs_of, signal_of, window_summary
 
 
@@ -48,7 +48,7 @@ def test_signal_over_the_socket_equals_numpy(client: Client) -> None:
     tokens = client.tokenize("The capital of France is")
     first = client.prefill_sampled("sig", tokens)["token"]
     reply = client.decode("sig", first, return_logits=True)
-    row = frames.view(reply.result["logits"], reply.buffers)[0]
+    row = reply.frame.array("logits")[0]
     sig = client.call("signal", "sig").result
     logp = _softmax_log(row)
     assert sig["token"] == reply.result["token"] == int(np.argmax(row))

@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocol import Client, SkiffError, frames
+from protocol import Client, SkiffError
 
 PROMPT = "The capital of France is"
 
@@ -112,7 +112,7 @@ def test_greedy_matches_llama_cpp_high_level(
     for tok in ours[: diverge - 1]:
         client.decode("parity", tok)
     reply = client.decode("parity", ours[diverge - 1], return_logits=True)
-    row = np.sort(frames.view(reply.result["logits"], reply.buffers)[0])
+    row = np.sort(reply.frame.array("logits")[0])
     assert float(row[-1] - row[-2]) < NEAR_TIE, (prompt, diverge)
 
 
@@ -126,11 +126,11 @@ def test_decode_batch_agrees_with_sequential_decode(client: Client) -> None:
     sequential = []
     for i in range(4):
         reply = client.decode(f"seq{i}", firsts[i], return_logits=True)
-        sequential.append(frames.view(reply.result["logits"], reply.buffers)[0].copy())
+        sequential.append(reply.frame.array("logits")[0].copy())
     reply = client.decode_batch(
         [{"session": f"bat{i}", "token": firsts[i]} for i in range(4)], return_logits=True
     )
-    batched = frames.view(reply.result["logits"], reply.buffers)
+    batched = reply.frame.array("logits")
     assert batched.shape == (4, 262144)
     for i in range(4):
         assert int(np.argmax(batched[i])) == int(np.argmax(sequential[i]))

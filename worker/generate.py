@@ -23,7 +23,7 @@ from typing import Any
 from faults import BadRequest
 
 from .engine import ROW_INVARIANT_ROWS
-from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds, on_grid
+from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds, on_grid, tensors_of_rows
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .spec import SamplerSpec
 from .speculative import Drafter, accept
@@ -48,6 +48,7 @@ class GenerateJob(Job):
         chunk: int,
         drafter: Drafter | None = None,
         top_logprobs: int | None = None,
+        outputs: tuple[str, ...] = (),
     ) -> None:
         super().__init__(ticket, [session])
         self.phase = PHASE_PREFILL  # PHASE_DECODE once the first token is out
@@ -80,6 +81,11 @@ class GenerateJob(Job):
         self.logprobs: list[dict[str, Any]] = []
         self.drafted = 0
         self.accepted = 0
+        self.outputs = outputs  # tensors of the row each token was sampled from
+        self._row: StepResult | None = None  # that row's captured tensors
+        self.rows: list[StepResult] = []  # every shown token's, for stream: false
+        self.row_positions: list[int] = []
+        self.n_layer = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -105,6 +111,7 @@ class GenerateJob(Job):
         rt.ensure_room(self.session, len(self.tokens) - self.done)
         self.session.pending = []
         self.t_start = time.monotonic()
+        self.n_layer = rt.engine.n_layer
         return False
 
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
@@ -123,6 +130,7 @@ class GenerateJob(Job):
                     self.spec,
                     all_rows=bool(self.drafts),
                     top_logprobs=self.top_logprobs,
+                    outputs=self.outputs,
                 )
             ]
         total = len(self.tokens)
@@ -140,6 +148,7 @@ class GenerateJob(Job):
                 self.spec,
                 top_logprobs=self.top_logprobs,
                 grid=self.from_zero and on_grid(self.done, n, total, self.chunk),
+                outputs=self.outputs if last else (),
             )
         ]
 
@@ -167,6 +176,7 @@ class GenerateJob(Job):
         if not self.drafts:
             token = results[0].token
             assert token is not None
+            self._row = results[0] if self.outputs else None
             return self._take_all(rt, [token], session.position, [results[0].logprobs])
         # Speculative step: the span [next, d1..dk] is in the KV cache.
         rows = results[0].rows
@@ -255,11 +265,19 @@ class GenerateJob(Job):
         self.text_parts.append(delta)
         if self._info is not None:
             self.logprobs.append(self._info)
+        row = self._row
+        self._row = None
+        if row is not None and not self.stream:
+            self.rows.append(row)
+            self.row_positions.append(position - 1)
         if self.stream:
             event = {"event": "token", "token": token, "text": delta, "position": position}
             if self._info is not None:
                 event.update(self._info)
-            self.ticket.event(event)
+            tensors = None
+            if row is not None:
+                tensors = tensors_of_rows([row], [position - 1], self.n_layer)
+            self.ticket.event(event, tensors)
 
     # -- endings ------------------------------------------------------------------
 
@@ -297,7 +315,10 @@ class GenerateJob(Job):
             result = {"text": "".join(self.text_parts), "tokens": self.completion, **summary}
             if self.top_logprobs is not None:
                 result["logprobs"] = self.logprobs
-            self.ticket.reply_done(result)
+            tensors = None
+            if self.rows:
+                tensors = tensors_of_rows(self.rows, self.row_positions, self.n_layer)
+            self.ticket.reply_done(result, tensors)
 
     def on_cancel(self, rt: RuntimeState) -> None:
         self._finish(rt, "cancelled")

@@ -16,6 +16,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from edge import Request
 from faults import BadRequest, ContextOverflow, SessionNotActive, Unsupported
 from protocol.envelope import Op
@@ -37,13 +39,17 @@ from .runtime import Ephemeral, RuntimeState, SessionId
 from .scheduler import Scheduler
 from .spec import GrammarChecker, SamplerSpec
 from .speculative import Drafter, DraftModel, PromptLookup
-from .ticket import Ticket
+from .tensor_jobs import POOLINGS, EmbedJob, ExportStateJob, ImportStateJob
+from .ticket import Tensors, Ticket
 from .validate import (
+    check_logit_rows,
     check_session,
     check_token,
     get_bool,
+    get_frame,
     get_int,
     get_messages,
+    get_outputs,
     get_prompt_tokens,
     get_sampling,
     get_session,
@@ -108,10 +114,44 @@ def _sampling(app: App, args: dict[str, Any]) -> SamplerSpec | None:
 
 
 def _prefill(app: App, req: Request, sampled: bool) -> None:
+    args = req.args
     session = get_session(req.session)
-    tokens = get_prompt_tokens(req.args, "tokens", app.n_vocab, app.rt.ctx_per_lane)
-    spec = _sampling(app, req.args) if sampled else None
-    app.submit(PrefillJob(app.ticket(req), session, tokens, app.chunk, sampled, spec))
+    outputs = get_outputs(args)
+    embd: np.ndarray | None = None
+    start: int | None = None
+    if "input" in args:
+        if "tokens" in args:
+            raise BadRequest("give tokens or input, not both")
+        embd, start = _embd_input(app, req)
+        tokens = [-1] * len(embd)  # no token ids: the session's history marks the gap
+    else:
+        tokens = get_prompt_tokens(args, "tokens", app.n_vocab, app.rt.ctx_per_lane)
+    check_logit_rows(outputs, len(tokens))
+    spec = _sampling(app, args) if sampled else None
+    app.submit(
+        PrefillJob(app.ticket(req), session, tokens, app.chunk, sampled, spec, outputs, embd, start)
+    )
+
+
+def _embd_input(app: App, req: Request) -> tuple[np.ndarray, int | None]:
+    """``input``: a frame with one ``embd`` part ``[tokens, n_embd]`` f32."""
+    frame = get_frame(req.args, "input", req.buffers)
+    if frame.identities != ("embd",):
+        raise BadRequest("input must carry exactly one part, identity 'embd'")
+    part = frame.part("embd")
+    n_embd = app.engine.n_embd
+    if part.dtype != "f32" or len(part.dims) != 2 or part.dims[1] != n_embd or part.token_axis != 0:
+        raise BadRequest(f"input.embd must be f32 [tokens, {n_embd}] with token_axis 0")
+    rows = part.dims[0]
+    if not 0 < rows <= app.rt.ctx_per_lane:
+        raise BadRequest(f"input.embd must have 1..{app.rt.ctx_per_lane} rows")
+    array = frame.array("embd")
+    if not np.isfinite(array).all():
+        raise BadRequest("input.embd holds a NaN or infinity")
+    positions = frame.positions
+    if positions is not None and any(b - a != 1 for a, b in itertools.pairwise(positions)):
+        raise BadRequest("input.positions must be consecutive")
+    return array, (positions[0] if positions else None)
 
 
 def h_prefill(app: App, req: Request) -> dict[str, Any] | None:
@@ -128,8 +168,8 @@ def h_decode(app: App, req: Request) -> dict[str, Any] | None:
     args = req.args
     session = get_session(req.session)
     token = check_token(args.get("token"), app.n_vocab, "token")
-    keep = get_bool(args, "return_logits", False)
-    app.submit(DecodeJob(app.ticket(req), session, token, _sampling(app, args), keep))
+    outputs = get_outputs(args)
+    app.submit(DecodeJob(app.ticket(req), session, token, _sampling(app, args), outputs))
     return None
 
 
@@ -208,8 +248,8 @@ def h_decode_batch(app: App, req: Request) -> dict[str, Any] | None:
         )
         for i, entry in enumerate(_entries_list(app, args))
     ]
-    keep = get_bool(args, "return_logits", False)
-    app.submit(AtomicBatchJob(app.ticket(req), entries, "decode_batch", return_logits=keep))
+    outputs = get_outputs(args)
+    app.submit(AtomicBatchJob(app.ticket(req), entries, "decode_batch", outputs=outputs))
     return None
 
 
@@ -238,7 +278,9 @@ def h_iteration_batch(app: App, req: Request) -> dict[str, Any] | None:
     total = sum(len(e.tokens) for e in entries)
     if total > budget:
         raise BadRequest(f"iteration carries {total} tokens; one forward takes {budget}")
-    app.submit(AtomicBatchJob(app.ticket(req), entries, "iteration", start_positions=starts))
+    outputs = get_outputs(args)
+    job = AtomicBatchJob(app.ticket(req), entries, "iteration", outputs, start_positions=starts)
+    app.submit(job)
     return None
 
 
@@ -267,6 +309,10 @@ def _generate_job(
     args = req.args
     session, named = _generate_session(req)
     limit = app.rt.ctx_per_lane
+    outputs = get_outputs(args)
+    drafter = _speculative(app, args)
+    if outputs and drafter is not None:
+        raise Unsupported("output with speculative decoding is not supported; ask one or the other")
     stop = args.get("stop", [])
     if (
         not isinstance(stop, list)
@@ -291,8 +337,9 @@ def _generate_job(
         ignore_eos=get_bool(args, "ignore_eos", False),
         stream=get_bool(args, "stream", True),
         chunk=app.chunk,
-        drafter=_speculative(app, args),
+        drafter=drafter,
         top_logprobs=_logprobs(args),
+        outputs=outputs,
     )
 
 
@@ -374,6 +421,76 @@ def h_signal_window(app: App, req: Request) -> dict[str, Any] | None:
     return None
 
 
+def h_embed(app: App, req: Request) -> dict[str, Any] | None:
+    args = req.args
+    has_text, has_tokens = "text" in args, "tokens" in args
+    if has_text == has_tokens:
+        raise BadRequest("give exactly one of text or tokens")
+    limit = app.rt.ctx_per_lane
+    if has_text:
+        text = get_str(args, "text", max_len=limit * 64)
+        tokens = app.engine.tokenize(text, add_special=True)
+        if not tokens or len(tokens) > limit:
+            raise ContextOverflow(f"text is {len(tokens)} tokens; 1..{limit} fit a session")
+    else:
+        tokens = get_prompt_tokens(args, "tokens", app.n_vocab, limit)
+    pooling = args.get("pooling", "mean")
+    if pooling not in POOLINGS:
+        raise BadRequest(f"pooling must be one of {list(POOLINGS)}")
+    if req.session is not None:
+        raise BadRequest("embed is stateless: give no session")
+    session = Ephemeral(next(_ephemeral_ids))
+    app.submit(EmbedJob(app.ticket(req), session, tokens, app.chunk, pooling))
+    return None
+
+
+def h_export_state(app: App, req: Request) -> dict[str, Any] | None:
+    session = get_session(req.session)
+    if app.rt.lanes.get(session) is None and not app.sched.knows_session(session):
+        raise SessionNotActive(f"session {session!r} is not active")
+    app.submit(ExportStateJob(app.ticket(req), [session]))
+    return None
+
+
+def h_import_state(app: App, req: Request) -> dict[str, Any] | None:
+    args = req.args
+    session = get_session(req.session)
+    meta = args.get("session_state")
+    if not isinstance(meta, dict):
+        raise BadRequest("session_state must be a map (export_state's result)")
+    frame = get_frame(args, "frame", req.buffers)
+    if frame.identities != ("kv_state",) or frame.part("kv_state").dtype != "u8":
+        raise BadRequest("frame must carry exactly one u8 part, identity 'kv_state'")
+    kv = frame.array("kv_state").reshape(-1)
+    raw = meta.get("sampler")
+    spec = None
+    if isinstance(raw, dict):
+        spec = get_sampling(
+            {"session_state.sampler.spec": raw.get("spec")},
+            "session_state.sampler.spec",
+            grammars=app.grammars,
+        )
+    app.submit(ImportStateJob(app.ticket(req), session, meta, kv, spec))
+    return None
+
+
+def h_echo(app: App, req: Request) -> dict[str, Any] | None:
+    """Send a request's frame back (frame-path checks and benchmarks)."""
+    frame = get_frame(req.args, "frame", req.buffers)
+    tensors = Tensors(
+        frame.arrays(),
+        list(frame.positions) if frame.positions is not None else None,
+        frame.sequence_count,
+        frame.layer_start,
+        frame.layer_end,
+        axes={p.identity: p.token_axis for p in frame.parts},
+        token_count=frame.token_count,
+        producer_stage=frame.producer_stage,
+    )
+    app.ticket(req).reply({}, tensors)
+    return None
+
+
 def h_cancel(app: App, req: Request) -> dict[str, Any] | None:
     target = get_int(req.args, "id")
     return {"cancelled": app.sched.cancel(req.peer, target)}
@@ -399,4 +516,8 @@ HANDLERS: dict[str, Handler] = {
     Op.VERIFY: h_verify,
     Op.SIGNAL: h_signal,
     Op.SIGNAL_WINDOW: h_signal_window,
+    Op.EMBED: h_embed,
+    Op.EXPORT_STATE: h_export_state,
+    Op.IMPORT_STATE: h_import_state,
+    Op.ECHO: h_echo,
 }

@@ -24,7 +24,7 @@ from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.signals import window_summary
 from .runtime.state import grid_split
 from .spec import SamplerSpec
-from .ticket import Ticket
+from .ticket import Tensors, Ticket
 
 # Tokens a settled verify feeds (no logits) per turn.
 _FEED_PIECE = 256
@@ -78,6 +78,26 @@ class Job:
                     rt.drop(sid)
 
 
+def tensors_of(
+    rt: RuntimeState, results: Sequence[StepResult], positions: list[int], sequences: int = 1
+) -> Tensors | None:
+    """The captured rows of ``results`` (in order) as one output's tensors."""
+    return tensors_of_rows(results, positions, rt.engine.n_layer, sequences)
+
+
+def tensors_of_rows(
+    results: Sequence[StepResult], positions: list[int], n_layer: int, sequences: int = 1
+) -> Tensors | None:
+    parts: dict[str, np.ndarray] = {}
+    for name in ("hidden", "logits"):
+        rows = [getattr(r, name) for r in results if getattr(r, name) is not None]
+        if rows:
+            parts[name] = rows[0] if len(rows) == 1 else np.concatenate(rows)
+    if not parts:
+        return None
+    return Tensors(parts, positions, sequences, 0, n_layer)
+
+
 # The smallest piece a squeezed turn cuts from a prompt (less is not worth a row).
 MIN_CUT = 16
 
@@ -114,17 +134,25 @@ class PrefillJob(Job):
     def __init__(
         self,
         ticket: Ticket,
-        session: str,
+        session: SessionId,
         tokens: list[int],
         chunk: int,
         sampled: bool,
         spec: SamplerSpec | None,
+        outputs: tuple[str, ...] = (),
+        embd: np.ndarray | None = None,
+        start_position: int | None = None,
     ) -> None:
         super().__init__(ticket, [session])
-        self.tokens = tokens
+        self.tokens = tokens  # with ``embd``: placeholders (-1), one per row
         self.chunk = chunk
         self.sampled = sampled
         self.spec = spec
+        self.outputs = outputs  # every prompt token's rows, captured piece by piece
+        self.embd = embd
+        self.start_position = start_position
+        self.captured: list[StepResult] = []
+        self.position0 = 0
         self.done = 0
         self.inflight = 0
         self.from_zero = False  # the prompt starts at position 0: its pieces are on the grid
@@ -133,8 +161,18 @@ class PrefillJob(Job):
     def start(self, rt: RuntimeState) -> bool:
         # A new session may start on a cached lane already holding a prefix
         # of these tokens; only the rest is prefilled (same KV, same result).
-        self.session, self.done = rt.admit_prompt(self.sessions[0], self.tokens, grid=self.chunk)
-        self.from_zero = self.session.position == self.done
+        # Not when every token's rows are asked for, or for embeddings input.
+        reuse = not self.outputs and self.embd is None
+        self.session, self.done = rt.admit_prompt(
+            self.sessions[0], self.tokens, self.ephemeral, grid=self.chunk, reuse=reuse
+        )
+        if self.start_position is not None and self.start_position != self.session.position:
+            raise BadRequest(
+                f"positions start at {self.start_position} but session "
+                f"{self.sessions[0]!r} is at {self.session.position}"
+            )
+        self.position0 = self.session.position
+        self.from_zero = self.session.position == self.done and self.embd is None
         rt.ensure_room(self.session, len(self.tokens) - self.done)
         return False
 
@@ -148,17 +186,33 @@ class PrefillJob(Job):
         part = self.tokens[self.done : self.done + n]
         sample = self.sampled and self.done + n == total
         grid = self.from_zero and on_grid(self.done, n, total, self.chunk)
-        return [Step(self.session, part, sample=sample, spec=self.spec, grid=grid)]
+        embd = self.embd[self.done : self.done + n] if self.embd is not None else None
+        return [
+            Step(
+                self.session,
+                part,
+                sample=sample,
+                spec=self.spec,
+                grid=grid,
+                outputs=self.outputs,
+                capture_all=bool(self.outputs),
+                embd=embd,
+            )
+        ]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         assert self.session is not None
         self.done += self.inflight
+        if self.outputs:
+            self.captured.append(results[0])
         if self.done < len(self.tokens):
             return False
         result: dict[str, Any] = {"position": self.session.position}
         if self.sampled:
             result["token"] = results[0].token
-        self.ticket.reply(result)
+        end = self.session.position
+        tensors = tensors_of(rt, self.captured, list(range(self.position0, end)))
+        self.ticket.reply(result, tensors)
         return True
 
 
@@ -171,12 +225,12 @@ class DecodeJob(Job):
         session: str,
         token: int,
         spec: SamplerSpec | None,
-        return_logits: bool,
+        outputs: tuple[str, ...] = (),
     ) -> None:
         super().__init__(ticket, [session])
         self.token = token
         self.spec = spec
-        self.return_logits = return_logits
+        self.outputs = outputs
         self.session: Session | None = None
 
     def start(self, rt: RuntimeState) -> bool:
@@ -188,15 +242,13 @@ class DecodeJob(Job):
         assert self.session is not None
         if budget < 1:
             return []
-        return [Step(self.session, [self.token], True, self.spec, self.return_logits)]
+        return [Step(self.session, [self.token], True, self.spec, self.outputs)]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         assert self.session is not None
-        result: dict[str, Any] = {"token": results[0].token, "position": self.session.position}
-        arrays = {}
-        if self.return_logits and results[0].logits is not None:
-            arrays["logits"] = results[0].logits[None, :]
-        self.ticket.reply(result, arrays)
+        position = self.session.position
+        result: dict[str, Any] = {"token": results[0].token, "position": position}
+        self.ticket.reply(result, tensors_of(rt, results, [position - 1]))
         return True
 
 
@@ -229,13 +281,13 @@ class AtomicBatchJob(Job):
         ticket: Ticket,
         entries: list[BatchEntry],
         label: str,
-        return_logits: bool = False,
+        outputs: tuple[str, ...] = (),
         start_positions: dict[int, int] | None = None,
     ) -> None:
         super().__init__(ticket, [e.session_id for e in entries])
         self.entries = entries
         self.label = label
-        self.return_logits = return_logits
+        self.outputs = outputs
         self.start_positions = start_positions or {}
         self.bound: list[Session] = []
 
@@ -272,16 +324,18 @@ class AtomicBatchJob(Job):
         if self.size() > budget:
             return []
         return [
-            Step(s, e.tokens, e.sample, e.spec, self.return_logits and e.sample)
+            Step(s, e.tokens, e.sample, e.spec, self.outputs if e.sample else ())
             for s, e in zip(self.bound, self.entries, strict=True)
         ]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
-        arrays = {}
+        # One output row per sampled entry, in request order.
+        positions = [
+            s.position - 1 for s, e in zip(self.bound, self.entries, strict=True) if e.sample
+        ]
+        tensors = tensors_of(rt, results, positions, len(self.entries))
         if self.label == "decode_batch":
             result: dict[str, Any] = {"tokens": [r.token for r in results]}
-            if self.return_logits:
-                arrays["logits"] = np.stack([r.logits for r in results if r.logits is not None])
         else:
             result = {
                 "samples": [
@@ -291,7 +345,7 @@ class AtomicBatchJob(Job):
                 ],
                 "positions": [s.position for s in self.bound],
             }
-        self.ticket.reply(result, arrays)
+        self.ticket.reply(result, tensors)
         return True
 
 

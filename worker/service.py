@@ -3,9 +3,10 @@
 This is the worker's side of the edge line. It owns the runtime, the
 scheduler and the outbox; the shared ``EdgeServer`` calls it. After each
 scheduler turn it takes the jobs' typed outputs from the outbox and renders
-them as wire messages: results and events as headers, numpy arrays as
-tensor frames (descriptor in the header, raw buffer as an extra frame, no
-copy), failures as error replies with their class's code.
+them as wire messages: results and events as headers, tensors as one
+frame (``protocol.frames``: its map under ``"frame"`` in the result, raw
+buffers as extra ZeroMQ frames, no copy), failures as error replies with
+their class's code.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .runtime import RuntimeState
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import GrammarChecker
 from .speculative import DraftModel
-from .ticket import Event, Failure, Outbox, Output, Ticket
+from .ticket import Event, Failure, Outbox, Output, Tensors, Ticket
 
 _log = get_logger("skiff.worker")
 
@@ -147,6 +148,19 @@ class LlmService:
         return out
 
 
+def to_frame(t: Tensors) -> frames.Frame:
+    """A core ``Tensors`` as a wire frame (no copy of contiguous arrays)."""
+    return frames.make_frame(
+        [(name, array, t.axes.get(name, 0)) for name, array in t.parts.items()],
+        producer_stage=t.producer_stage,
+        layer_start=t.layer_start,
+        layer_end=t.layer_end,
+        positions=t.positions,
+        sequence_count=t.sequence_count,
+        token_count=t.token_count,
+    )
+
+
 def render(ticket: Ticket, output: Output) -> Outgoing:
     """One typed output as a wire message (arrays become tensor frames)."""
     peer = ticket.owner
@@ -161,8 +175,8 @@ def render(ticket: Ticket, output: Output) -> Outgoing:
             logs.clear_request()
     buffers: list[Any] = []
     data = dict(output.data)
-    for name, array in output.arrays.items():
-        data[name] = frames.attach(array, buffers)
+    if output.tensors is not None:
+        data["frame"] = frames.attach(to_frame(output.tensors), buffers)
     if isinstance(output, Event):
         return Outgoing(peer, event_reply(ticket.id, data), buffers)
     header = ok_reply(ticket.id, data)

@@ -139,3 +139,21 @@ class GrammarChecker(Protocol):
 def canonical_schema(schema: dict[str, Any]) -> str:
     """JSON text of a schema, stable for equal schemas."""
     return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def spec_to_wire(spec: SamplerSpec) -> dict[str, Any]:
+    """The request-side ``sampling`` map that ``validate.get_sampling`` turns
+    back into an equal spec (how a session's sampler travels in a saved state)."""
+    out: dict[str, Any] = {}
+    for name in SamplerSpec.__dataclass_fields__:
+        value = getattr(spec, name)
+        if value is None:
+            continue
+        if name == "logit_bias":
+            value = [{"token": t, "bias": b} for t, b in value]
+        elif name == "json_schema":
+            value = json.loads(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[name] = value
+    return out

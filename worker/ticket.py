@@ -22,12 +22,32 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class Tensors:
+    """Tensors one output carries; the edge sends them as one frame.
+
+    ``parts`` maps an identity ("hidden", "logits", "kv_state", ...) to an
+    array; ``axes`` gives a part's token axis (default 0; -1: none).
+    ``positions`` are the tokens' positions; ``token_count`` defaults to the
+    token-axis length of the parts.
+    """
+
+    parts: dict[str, np.ndarray]
+    positions: list[int] | None = None
+    sequence_count: int = 1
+    layer_start: int = 0
+    layer_end: int = 0
+    axes: dict[str, int] = field(default_factory=dict)
+    token_count: int | None = None
+    producer_stage: int = 0
+
+
+@dataclass(frozen=True)
 class Result:
     """The one reply of a request. ``done`` marks the reply of a streamable op
-    run with ``stream: false``. ``arrays`` travel as raw tensor buffers."""
+    run with ``stream: false``. ``tensors`` travel as one frame."""
 
     data: dict[str, Any]
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    tensors: Tensors | None = None
     done: bool = False
 
 
@@ -36,7 +56,7 @@ class Event:
     """One message of a stream; ``data["event"]`` names it, the last has ``done``."""
 
     data: dict[str, Any]
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    tensors: Tensors | None = None
 
     @property
     def done(self) -> bool:
@@ -88,17 +108,17 @@ class Ticket:
         if not self.dead:
             self.outbox.put(self, output)
 
-    def reply(self, data: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> None:
+    def reply(self, data: dict[str, Any], tensors: Tensors | None = None) -> None:
         self.finished = True
-        self._put(Result(data, arrays or {}))
+        self._put(Result(data, tensors))
 
-    def reply_done(self, data: dict[str, Any]) -> None:
+    def reply_done(self, data: dict[str, Any], tensors: Tensors | None = None) -> None:
         """The single reply of a streamable op run with ``stream: false``."""
         self.finished = True
-        self._put(Result(data, {}, done=True))
+        self._put(Result(data, tensors, done=True))
 
-    def event(self, data: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> None:
-        output = Event(data, arrays or {})
+    def event(self, data: dict[str, Any], tensors: Tensors | None = None) -> None:
+        output = Event(data, tensors)
         if output.done:
             self.finished = True
         self._put(output)

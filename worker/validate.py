@@ -13,9 +13,11 @@ through the ``GrammarChecker`` the caller passes in.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from faults import BadRequest, ContextOverflow
+from protocol import frames
 from protocol.envelope import MAX_SESSION_CHARS
 
 from .spec import (
@@ -354,3 +356,44 @@ def get_messages(args: dict[str, Any], max_chars: int) -> list[dict[str, str]]:
             raise BadRequest(f"messages are longer than {max_chars} characters")
         out.append({"role": role, "content": content})
     return out
+
+
+OUTPUT_NAMES = ("hidden", "logits")
+# Rows of logits one reply may carry (each is n_vocab floats: 1 MiB here).
+MAX_LOGIT_ROWS = 64
+
+
+def get_outputs(args: dict[str, Any]) -> tuple[str, ...]:
+    """``output``: which tensors a step returns (``return_logits`` = ["logits"])."""
+    value = args.get("output")
+    if value is None:
+        return ("logits",) if get_bool(args, "return_logits", False) else ()
+    if "return_logits" in args:
+        raise BadRequest("give output or return_logits, not both")
+    if (
+        not isinstance(value, list)
+        or not all(isinstance(v, str) for v in value)
+        or len(set(value)) != len(value)
+        or not set(value) <= set(OUTPUT_NAMES)
+    ):
+        raise BadRequest(f"output must be a list of distinct names from {list(OUTPUT_NAMES)}")
+    return tuple(v for v in OUTPUT_NAMES if v in value)
+
+
+def check_logit_rows(outputs: tuple[str, ...], rows: int) -> None:
+    if "logits" in outputs and rows > MAX_LOGIT_ROWS:
+        raise BadRequest(
+            f"output logits for {rows} rows exceeds {MAX_LOGIT_ROWS} per reply "
+            "(ask for hidden, or send fewer tokens)"
+        )
+
+
+def get_frame(args: dict[str, Any], name: str, buffers: Sequence[Any]) -> frames.Frame:
+    """A tensor frame the request carries under ``name`` (fully validated)."""
+    if name not in args:
+        raise BadRequest(f"{name} is required (a tensor frame)")
+    try:
+        return frames.parse(args[name], buffers)
+    except frames.FrameError as exc:
+        # the message names the field as frame.<field>; name it where it was
+        raise BadRequest(exc.message.replace("frame.", f"{name}.", 1)) from None

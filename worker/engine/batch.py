@@ -21,19 +21,34 @@ OutputMode = Literal["none", "last", "all"]
 
 @dataclass(frozen=True)
 class Segment:
-    """``tokens`` of lane ``seq`` at positions ``pos0 .. pos0+len-1``."""
+    """``tokens`` of lane ``seq`` at positions ``pos0 .. pos0+len-1``; or,
+    with ``embd`` (``[n, n_embd]`` f32), input embeddings instead of tokens."""
 
     seq: int
     tokens: Sequence[int]
     pos0: int
     outputs: OutputMode = "last"
+    embd: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.embd) if self.embd is not None else len(self.tokens)
 
 
 class Batch:
-    def __init__(self, capacity: int, n_seq: int) -> None:
+    """A reusable ``llama_batch`` of token ids, or (``n_embd`` > 0) of input
+    embeddings: llama.cpp takes one kind per batch, so an engine keeps one
+    of each and a forward of mixed steps runs as one decode per kind."""
+
+    def __init__(self, capacity: int, n_seq: int, n_embd: int = 0) -> None:
         self.capacity = capacity
-        self.raw = ll.llama_batch_init(capacity, 0, n_seq)
-        self._token = np.ctypeslib.as_array(self.raw.token, shape=(capacity,))
+        self.n_embd = n_embd
+        self.raw = ll.llama_batch_init(capacity, n_embd, n_seq)
+        self._token: np.ndarray | None = None
+        self._embd: np.ndarray | None = None
+        if n_embd:
+            self._embd = np.ctypeslib.as_array(self.raw.embd, shape=(capacity, n_embd))
+        else:
+            self._token = np.ctypeslib.as_array(self.raw.token, shape=(capacity,))
         self._pos = np.ctypeslib.as_array(self.raw.pos, shape=(capacity,))
         self._nseq = np.ctypeslib.as_array(self.raw.n_seq_id, shape=(capacity,))
         self._logits = np.ctypeslib.as_array(self.raw.logits, shape=(capacity,))
@@ -43,7 +58,7 @@ class Batch:
         self._nseq[:] = 1
 
     def fill(self, segments: Sequence[Segment]) -> int:
-        total = sum(len(s.tokens) for s in segments)
+        total = sum(len(s) for s in segments)
         if total > self.capacity:
             raise ValueError(f"batch of {total} tokens exceeds n_batch {self.capacity}")
         row = 0
@@ -51,9 +66,17 @@ class Batch:
         self._lens = []
         seq_ptrs = self.raw.seq_id
         for seg in segments:
-            n = len(seg.tokens)
+            n = len(seg)
             end = row + n
-            self._token[row:end] = seg.tokens
+            if self._embd is not None:
+                if seg.embd is None:
+                    raise ValueError("an embeddings batch takes only embedding segments")
+                self._embd[row:end] = seg.embd
+            elif seg.embd is not None:
+                raise ValueError("a token batch takes no embedding segments")
+            else:
+                assert self._token is not None
+                self._token[row:end] = seg.tokens
             self._pos[row:end] = np.arange(seg.pos0, seg.pos0 + n, dtype=np.int32)
             self._logits[row:end] = 1 if seg.outputs == "all" else 0
             if seg.outputs == "last" and n:

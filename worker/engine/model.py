@@ -24,6 +24,7 @@ Choices that matter:
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ import llama_cpp as ll
 import numpy as np
 
 from .batch import Batch, Segment
+from .seqstate import FORMAT as STATE_FORMAT
+from .seqstate import restream
 
 _backend_ready = False
 
@@ -133,12 +136,17 @@ class Engine:
         self.bos = int(ll.llama_vocab_bos(self._vocab))
         self.eos = int(ll.llama_vocab_eos(self._vocab))
         self.kv_unified = bool(cparams.kv_unified)
+        self.n_stream = 1 if self.kv_unified else self.n_seq  # KV streams (one per lane)
         self.swa_full = bool(cparams.swa_full)
-        # Sliding window of the model's windowed layers; 0 = none, or every
-        # cell kept (swa_full), so no cached prefix is ever out of reach.
-        n_swa = int(ll.llama_model_n_swa(self._model))
-        self.n_swa = 0 if self.swa_full else n_swa
+        # Sliding window of the model's windowed layers (0 = none). Even with
+        # swa_full a lane can lack old windowed cells: a restored sequence
+        # state holds only the last window of them (llama_state_seq_set_data).
+        self.n_swa = int(ll.llama_model_n_swa(self._model))
         self._batch = Batch(self.n_batch, self.n_seq)
+        self._embd_batch: Batch | None = None  # made on the first embeddings input
+        self._last = self._batch  # the batch of the last decode (for output_index)
+        self._hidden = False
+        self._sha256: str | None = None
         self._abort_fn: Any = None
         self._piece_cache: dict[int, bytes] = {}
 
@@ -147,6 +155,8 @@ class Engine:
     def close(self) -> None:
         if self._ctx:
             self._batch.free()
+            if self._embd_batch is not None:
+                self._embd_batch.free()
             ll.llama_free(self._ctx)
             ll.llama_model_free(self._model)
             self._ctx = None
@@ -201,10 +211,34 @@ class Engine:
         rows the segments asked for. On failure the caller must reconcile positions from
         ``pos_max`` (llama.cpp keeps ubatches that completed).
         """
-        n = self._batch.fill(segments)
+        embd = any(s.embd is not None for s in segments)
+        if embd and self._embd_batch is None:
+            self._embd_batch = Batch(self.n_batch, self.n_seq, self.n_embd)
+        batch = self._embd_batch if embd and self._embd_batch is not None else self._batch
+        n = batch.fill(segments)
+        self._last = batch
         if n == 0:
             return DecodeStatus(0)
-        return DecodeStatus(int(ll.llama_decode(self._ctx, self._batch.raw)))
+        return DecodeStatus(int(ll.llama_decode(self._ctx, batch.raw)))
+
+    def set_hidden(self, on: bool) -> None:
+        """Whether the next decodes also output final hidden states.
+
+        llama.cpp's embeddings output: with it on, EVERY row of a batch is
+        an output row (logits included), whatever the segments asked; so it
+        is switched on only for the forwards that want hidden states.
+        """
+        if on != self._hidden:
+            ll.llama_set_embeddings(self._ctx, on)
+            self._hidden = on
+
+    def hidden_row(self, batch_index: int) -> np.ndarray:
+        """Zero-copy view of one row's final hidden state (after the output
+        norm, before the output head); valid until the next decode."""
+        ptr = ll.llama_get_embeddings_ith(self._ctx, batch_index)
+        if not ptr:
+            raise EngineError(f"no hidden state for batch row {batch_index}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,))
 
     def logits_row(self, batch_index: int) -> np.ndarray:
         """Zero-copy view of one output row; valid until the next decode."""
@@ -215,7 +249,7 @@ class Engine:
 
     def output_index(self, segment_index: int, offset: int = -1) -> int:
         """Batch row of a token of the last decoded batch (offset -1 = last)."""
-        return self._batch.row(segment_index, offset)
+        return self._last.row(segment_index, offset)
 
     def set_abort(self, fn: Callable[[], bool] | None) -> None:
         """Install (or remove) a check llama.cpp polls during compute."""
@@ -246,15 +280,60 @@ class Engine:
     def seq_clear(self, seq: int) -> None:
         ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
-    def state_get(self, seq: int) -> bytes:
+    def state_get(self, seq: int) -> np.ndarray:
+        """One sequence's KV state, written by llama.cpp straight into a new
+        uint8 array (the array is what travels; no further copy)."""
         size = int(ll.llama_state_seq_get_size(self._ctx, seq))
-        buf = (ctypes.c_uint8 * size)()
-        n = int(ll.llama_state_seq_get_data(self._ctx, buf, size, seq))
-        return bytes(buf[:n])
+        out = np.empty(size, dtype=np.uint8)
+        ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = int(ll.llama_state_seq_get_data(self._ctx, ptr, size, seq))
+        if n <= 0:
+            raise EngineError(f"llama.cpp could not save lane {seq}")
+        return out[:n]
 
-    def state_set(self, seq: int, data: bytes) -> bool:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        return int(ll.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
+    def state_set(self, seq: int, data: np.ndarray) -> bool:
+        """Load a sequence's KV state from ``data``; False when llama.cpp
+        refuses it (it returns 0 instead of raising).
+
+        Read in place when it was saved by a context with as many KV streams
+        as this one; otherwise re-laid once (``seqstate.restream``). A state
+        that does not parse raises ``EngineError`` before llama.cpp sees it.
+        """
+        try:
+            arr = restream(np.ascontiguousarray(data, dtype=np.uint8).reshape(-1), self.n_stream)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        return int(ll.llama_state_seq_set_data(self._ctx, ptr, arr.nbytes, seq)) > 0
+
+    def identity(self) -> dict[str, Any]:
+        """What a saved KV state is only valid with: the model file's sha256
+        (hashed once, on first use), the KV cell types and the state format."""
+        if self._sha256 is None:
+            digest = hashlib.sha256()
+            with open(self.cfg.model_path, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    digest.update(chunk)
+            self._sha256 = digest.hexdigest()
+        return {
+            "model_sha256": self._sha256,
+            "n_layer": self.n_layer,
+            "n_embd": self.n_embd,
+            "n_vocab": self.n_vocab,
+            "kv_type_k": "f16",
+            "kv_type_v": "f16",
+            "state_format": STATE_FORMAT,
+        }
+
+    def layout(self) -> dict[str, Any]:
+        """This context's cache layout (informative: a state loads across
+        lane counts and cell counts as long as the session fits a lane)."""
+        return {
+            "n_ctx_per_lane": self.n_ctx_per_seq,
+            "kv_streams": self.n_stream,
+            "swa_full": self.swa_full,
+            "kv_unified": self.kv_unified,
+        }
 
     # -- handles for the sampler module ---------------------------------------
 

@@ -190,6 +190,14 @@ class Sampler:
         self._history: list[Any] = []  # penalties / dry: fed by ``accept``
         self._grammar: Any = None  # beside the chain, as in llama.cpp's common sampler
         self._one = ll.llama_token_data()
+        # What replays this chain's state on another worker (``state`` /
+        # ``restore``): tokens fed to the penalty history, tokens the grammar
+        # accepted, and how many times the chain ran (each run of a ``dist``
+        # chain draws once from its RNG, whatever the candidates).
+        self._fed: list[int] = []
+        self._grammar_fed: list[int] = []
+        self._runs = 0
+        self._dist: Any = None
         params = ll.llama_sampler_chain_default_params()
         params.no_perf = True
         self._chain: Any = ll.llama_sampler_chain_init(params)
@@ -259,7 +267,7 @@ class Sampler:
         else:
             for name in spec.samplers:
                 self._add_named(name, spec)
-            self._add(ll.llama_sampler_init_dist(seed))
+            self._dist = self._add(ll.llama_sampler_init_dist(seed))
 
     def _add_named(self, name: str, spec: SamplerSpec) -> None:
         """Add one sampler of the ``samplers`` list; exact no-ops are skipped."""
@@ -342,7 +350,9 @@ class Sampler:
             token = self._run(logits, grammar_first=True)
         if self._grammar is not None:
             ll.llama_sampler_accept(self._grammar, token)
+            self._grammar_fed.append(token)
         ll.llama_sampler_accept(self._chain, token)
+        self._fed.append(token)
         return token
 
     def _run(self, logits: np.ndarray, grammar_first: bool) -> int:
@@ -359,6 +369,7 @@ class Sampler:
         if grammar_first:
             ll.llama_sampler_apply(self._grammar, ctypes.byref(arr))
         ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        self._runs += 1
         index = int(arr.selected)
         if not 0 <= index < arr.size:
             raise SamplerError("the sampler chain selected no token")
@@ -369,10 +380,10 @@ class Sampler:
             raise SamplerError("no token satisfies the grammar and logit_bias of sampling")
         return int(chosen.id)
 
-    def _grammar_allows(self, token: int, logits: np.ndarray) -> bool:
+    def _grammar_allows(self, token: int, logits: np.ndarray, index: int | None = None) -> bool:
         one = self._one
         one.id = token  # type: ignore[assignment]
-        one.logit = float(logits[token])
+        one.logit = float(logits[token if index is None else index])
         one.p = 0.0
         arr = ll.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
         ll.llama_sampler_apply(self._grammar, ctypes.byref(arr))
@@ -385,6 +396,41 @@ class Sampler:
         for smpl in self._history:
             for token in toks:
                 ll.llama_sampler_accept(smpl, token)
+        self._fed.extend(toks)
+
+    @property
+    def portable(self) -> bool:
+        """Whether ``state`` captures everything: a ``dist`` chain without
+        mirostat (its running estimate) or xtc (its own RNG)."""
+        return self._dist is not None and not self.spec.mirostat and not self.spec._xtc_active
+
+    def state(self) -> dict[str, Any]:
+        """The chain's state as plain data (``portable`` chains only)."""
+        return {"fed": list(self._fed), "grammar_fed": list(self._grammar_fed), "runs": self._runs}
+
+    def restore(self, fed: Iterable[int], grammar_fed: Iterable[int], runs: int) -> None:
+        """Bring a fresh chain to a saved ``state``: replay the penalty and
+        grammar history, and advance the RNG by as many draws."""
+        toks = [int(t) for t in fed]
+        for smpl in self._history:
+            for token in toks:
+                ll.llama_sampler_accept(smpl, token)
+        self._fed = toks
+        if self._grammar is not None:
+            zero = np.zeros(1, dtype=np.float32)
+            for token in grammar_fed:
+                # llama.cpp aborts the process on a token its grammar rejects
+                if not self._grammar_allows(int(token), zero, 0):
+                    raise SamplerError(f"grammar state: token {int(token)} is not allowed")
+                ll.llama_sampler_accept(self._grammar, int(token))
+                self._grammar_fed.append(int(token))
+        if self._dist is not None:
+            one = ll.llama_token_data(0, 0.0, 0.0)
+            arr = ll.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+            for _ in range(runs):
+                arr.size = 1
+                ll.llama_sampler_apply(self._dist, ctypes.byref(arr))
+        self._runs = runs
 
     def free(self) -> None:
         if self._chain:

@@ -34,23 +34,40 @@ class Step:
     """Part of one forward: ``tokens`` appended to ``session``.
 
     ``sample`` asks for a token sampled after the last one (with ``spec``,
-    or greedy when ``spec`` is None); ``keep_logits`` copies that row out.
+    or greedy when ``spec`` is None). ``outputs`` ("hidden", "logits")
+    copies those tensors out for the sampled row, or for every row of the
+    step with ``capture_all``. ``embd`` (``[n, n_embd]`` f32) feeds input
+    embeddings instead of token ids; ``tokens`` then holds n placeholders.
     """
 
     session: Session
     tokens: Sequence[int]
     sample: bool = False
     spec: SamplerSpec | None = None
-    keep_logits: bool = False
+    outputs: tuple[str, ...] = ()
     all_rows: bool = False  # logits for every token (verify, speculation)
     top_logprobs: int | None = None  # logprobs of the sampled token (+ top k)
     grid: bool = False  # a whole grid piece of a prompt prefilled from position 0
+    capture_all: bool = False  # ``outputs`` for every token of the step
+    embd: np.ndarray | None = None
+
+    @property
+    def wants_hidden(self) -> bool:
+        return "hidden" in self.outputs
+
+    @property
+    def group(self) -> tuple[bool, bool]:
+        """Steps of one group share a ``llama_decode``: token ids and input
+        embeddings cannot share a batch, and hidden-state output makes every
+        row of its batch an output row (kept away from other steps' batches)."""
+        return (self.embd is not None, self.wants_hidden)
 
 
 @dataclass
 class StepResult:
     token: int | None = None
-    logits: np.ndarray | None = None
+    logits: np.ndarray | None = None  # [rows, n_vocab] copies (``outputs``)
+    hidden: np.ndarray | None = None  # [rows, n_embd] copies (``outputs``)
     rows: list[int] | None = None  # batch rows of every token (``all_rows``)
     logprobs: dict[str, Any] | None = None
     error: BadRequest | None = None  # this step's sampling failed
@@ -101,6 +118,7 @@ class RuntimeState:
         prompt: Sequence[int],
         ephemeral: bool = False,
         grid: int = 1,
+        reuse: bool = True,
     ) -> tuple[Session, int]:
         """Admit a session that is about to prefill ``prompt``; reuse a cached prefix.
 
@@ -123,7 +141,8 @@ class RuntimeState:
         known = self.lanes.get(session_id)
         if known is not None:
             return known, 0
-        match = self.lanes.best_prefix(prompt, len(prompt) - 1) if self.lanes.cached else None
+        cached = reuse and self.lanes.cached > 0
+        match = self.lanes.best_prefix(prompt, len(prompt) - 1) if cached else None
         common = 0
         if match is not None:
             common = match[1]
@@ -135,7 +154,7 @@ class RuntimeState:
             (session,) = self.admit([session_id], ephemeral)
             return session, 0
         lane = match[0]
-        if not self._window_holds(lane, common):
+        if not self.window_holds(lane, common):
             self.prefix.refused_window += 1
             self.prefix.misses += 1
             (session,) = self.admit([session_id], ephemeral)
@@ -155,16 +174,18 @@ class RuntimeState:
         self.prefix.reused_tokens += common
         return session, common
 
-    def _window_holds(self, lane: int, common: int) -> bool:
+    def window_holds(self, lane: int, common: int) -> bool:
         """Whether the lane still holds what decoding after ``common`` tokens needs.
 
         A sliding-window cache (without ``swa_full``) forgets cells older than
-        the window: keeping a prefix is only sound while the cells of the last
-        ``n_swa`` positions before ``common`` are still there (llama-server's
-        guard). With ``swa_full`` every cell is kept and ``pos_min`` is 0.
+        the window, and a lane loaded from a saved state holds only the last
+        window of them: keeping ``common`` tokens is only sound while the cells
+        of the last ``n_swa`` positions before ``common`` are still there
+        (llama-server's guard). A lane prefilled here with ``swa_full`` keeps
+        every cell (``pos_min`` 0), so the check always passes.
         """
         n_swa = self.engine.n_swa
-        if n_swa <= 0:
+        if n_swa <= 0 or common == 0:
             return True
         return self.engine.pos_min(lane) <= max(0, common - n_swa)
 
@@ -195,6 +216,13 @@ class RuntimeState:
             raise BadRequest(
                 f"cannot trim session {str(session_id)!r} at {session.position} "
                 f"forward to {token_count}"
+            )
+        if not self.window_holds(session.lane, token_count):
+            floor = self.engine.pos_min(session.lane) + self.engine.n_swa
+            raise BadRequest(
+                f"session {str(session_id)!r} holds sliding-window cells only from position "
+                f"{self.engine.pos_min(session.lane)} (it was imported, or the cache keeps only "
+                f"the window): trim to 0 or to at least {floor}"
             )
         if not self.engine.seq_rm(session.lane, token_count, -1):
             raise EngineFault(f"llama.cpp refused to trim lane {session.lane}", {})
@@ -268,18 +296,37 @@ class RuntimeState:
     # -- the forward -------------------------------------------------------
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
-        """Run one ``llama_decode`` over ``steps`` and sample what they ask."""
+        """Run the steps' forward and sample what they ask.
+
+        One ``llama_decode`` in the common case; steps of different
+        ``Step.group``s (input embeddings, hidden-state output) run in one
+        decode per group, each sampled before the next decode overwrites
+        the logits.
+        """
         for step in steps:
             self.ensure_room(step.session, len(step.tokens))
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for index, step in enumerate(steps):
+            groups.setdefault(step.group, []).append(index)
+        results: list[StepResult] = [StepResult() for _ in steps]
+        for (_, hidden), indices in groups.items():
+            part = [steps[i] for i in indices]
+            for i, result in zip(indices, self._forward_group(part, hidden), strict=True):
+                results[i] = result
+        return results
+
+    def _forward_group(self, steps: Sequence[Step], hidden: bool) -> list[StepResult]:
         segments = [
             Segment(
                 s.session.lane,
                 s.tokens,
                 s.session.position,
-                "all" if s.all_rows else "last" if s.sample else "none",
+                "all" if s.all_rows or s.capture_all else "last" if s.sample else "none",
+                s.embd,
             )
             for s in steps
         ]
+        self.engine.set_hidden(hidden)
         status = self.engine.decode(segments)
         self.forwards += 1
         if not status.ok:
@@ -296,16 +343,30 @@ class RuntimeState:
             self.tokens_evaluated += len(step.tokens)
         results: list[StepResult] = []
         for index, step in enumerate(steps):
-            session = step.session
             result = StepResult()
             try:
                 self._sample_step(index, step, result)
+                if step.outputs:
+                    self._capture(index, step, result)
             except BadRequest as exc:
                 result.error = exc
             results.append(result)
         for step in steps:
             self.check_position(step.session)
         return results
+
+    def _capture(self, index: int, step: Step, result: StepResult) -> None:
+        """Copy the asked tensors of the step's output rows out of llama.cpp."""
+        n = len(step.tokens)
+        rows = (
+            [self.engine.output_index(index, k) for k in range(n)]
+            if step.capture_all
+            else [self.engine.output_index(index)]
+        )
+        if "logits" in step.outputs:
+            result.logits = np.stack([self.engine.logits_row(r) for r in rows])
+        if "hidden" in step.outputs:
+            result.hidden = np.stack([self.engine.hidden_row(r) for r in rows])
 
     def _sample_step(self, index: int, step: Step, result: StepResult) -> None:
         """Fill one step's result: its rows (``all_rows``) or its sampled token."""
@@ -317,8 +378,6 @@ class RuntimeState:
             result.token = self.sample_row(session, step.spec, row, step.top_logprobs)
             if step.top_logprobs is not None:
                 result.logprobs = session.last_logprobs
-            if step.keep_logits:
-                result.logits = self.engine.logits_row(row).copy()
 
     def _reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None:
         advanced: dict[str, int] = {}

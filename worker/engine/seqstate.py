@@ -1,0 +1,123 @@
+"""Moving one sequence's saved KV state between contexts of different lane counts.
+
+``llama_state_seq_get_data`` writes an 8-byte header (a magic and a
+version), then for each KV cache of the model (Gemma 3 has two: global and
+sliding-window layers) a section
+
+    u32 n_stream; then per stream: u32 cell_count, and when it is not 0,
+    cell_count x (i32 pos, u32 n_seq_id, n_seq_id x i32 seq)     -- meta
+    u32 v_trans, u32 n_layer, n_layer x (i32 type, u64 row, cell_count*row bytes)   -- K
+    n_layer x (i32 type, u64 row, cell_count*row)            (v_trans = 0) -- V
+    or n_layer x (i32 type, u32 el, u32 n_embd_v, n_embd_v*cell_count*el)   (v_trans = 1)
+
+and ``llama_state_seq_set_data`` refuses a state whose ``n_stream`` differs
+from its own — with a KV stream per lane, that is any worker with another
+lane count, though a single sequence's state fills exactly one stream and
+lands in the target lane's stream whatever its index. ``restream`` rewrites
+the stream count (moving the one non-empty stream first) so the state loads
+into a context with ``n_stream`` streams. The walk is bounds-checked: a
+state it cannot parse raises ``ValueError`` and is never handed to llama.cpp.
+This follows the vendored llama.cpp (llama-cpp-python 0.3.36); the engine's
+identity names the format so a state from another layout is refused first.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+FORMAT = "llama.cpp-seq-state-v1"
+_U32 = struct.Struct("<I")
+_MAGIC = 0xAF143CD8  # the header llama_state_seq_get_data starts with (magic, version)
+_HEADER = 8
+_I32U64 = struct.Struct("<iQ")
+_I32U32U32 = struct.Struct("<iII")
+
+
+class _Reader:
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.at = 0
+
+    def take(self, n: int) -> int:
+        start = self.at
+        if n < 0 or start + n > len(self.data):
+            raise ValueError(f"the KV state ends early (needs {n} bytes at {start})")
+        self.at += n
+        return start
+
+    def u32(self) -> int:
+        value: int = _U32.unpack_from(self.data, self.take(4))[0]
+        return value
+
+
+def _stream_end(r: _Reader, cell_count: int) -> None:
+    """Skip one non-empty stream's meta and data (reader is after cell_count)."""
+    for _ in range(cell_count):
+        r.take(4)  # pos
+        n_seq = r.u32()
+        r.take(4 * n_seq)
+    v_trans = r.u32()
+    n_layer = r.u32()
+    if v_trans > 1 or n_layer > 4096:
+        raise ValueError("the KV state's layer header is not one llama.cpp writes")
+    for _ in range(n_layer):  # K
+        _, row = _I32U64.unpack_from(r.data, r.take(_I32U64.size))
+        r.take(row * cell_count)
+    for _ in range(n_layer):  # V
+        if v_trans:
+            _, el, n_embd = _I32U32U32.unpack_from(r.data, r.take(_I32U32U32.size))
+            r.take(el * n_embd * cell_count)
+        else:
+            _, row = _I32U64.unpack_from(r.data, r.take(_I32U64.size))
+            r.take(row * cell_count)
+
+
+def sections(state: np.ndarray) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Per KV cache: (n_stream, [(start, end) byte span of each non-empty stream])."""
+    r = _Reader(np.ascontiguousarray(state, dtype=np.uint8).data.cast("B"))
+    if r.u32() != _MAGIC:
+        raise ValueError("the KV state does not start with llama.cpp's sequence-state magic")
+    r.u32()  # format version, checked by llama.cpp itself
+    out: list[tuple[int, list[tuple[int, int]]]] = []
+    while r.at < len(r.data):
+        n_stream = r.u32()
+        if not 0 < n_stream <= 4096:
+            raise ValueError(f"the KV state names {n_stream} streams")
+        spans: list[tuple[int, int]] = []
+        for _ in range(n_stream):
+            start = r.at
+            cell_count = r.u32()
+            if cell_count:
+                _stream_end(r, cell_count)
+                spans.append((start, r.at))
+        out.append((n_stream, spans))
+    return out
+
+
+def streams_of(state: np.ndarray) -> int:
+    """The stream count a state was saved with (its first cache's)."""
+    return sections(state)[0][0]
+
+
+def restream(state: np.ndarray, n_stream: int) -> np.ndarray:
+    """The same sequence state laid out for a context with ``n_stream`` streams.
+
+    Returns ``state`` itself when every cache already has ``n_stream``
+    streams (no copy); otherwise one new array.
+    """
+    parsed = sections(state)
+    if all(n == n_stream for n, _ in parsed):
+        return state
+    raw = np.ascontiguousarray(state, dtype=np.uint8)
+    pieces: list[bytes | np.ndarray] = [raw[:_HEADER]]
+    for _, spans in parsed:
+        if len(spans) > 1:
+            raise ValueError("the KV state holds more than one sequence")
+        pieces.append(_U32.pack(n_stream))
+        pieces.extend(raw[start:end] for start, end in spans)
+        pieces.append(_U32.pack(0) * (n_stream - len(spans)))
+    return np.concatenate(
+        [np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p for p in pieces]
+    )
