@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -31,8 +32,10 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+PLAIN = "--plain-malloc" in sys.argv
 sys.path.insert(0, str(ROOT))
 
+from edge.memory import reexec_with_tunables  # noqa: E402
 from protocol import Client, frames  # noqa: E402
 
 
@@ -40,7 +43,11 @@ def start_worker(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen[byt
     endpoint = f"ipc://{tmp}/{name}.sock"
     log = (tmp / f"{name}.log").open("wb")
     cmd = [sys.executable, "-m", "worker.cli", "--bind", endpoint, "--threads", "2", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    env = dict(os.environ)
+    if PLAIN:
+        env["SKIFF_NO_REEXEC"] = "1"
+        env.pop("GLIBC_TUNABLES", None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     with Client(endpoint) as c:
         c.wait_ready(120, alive=lambda: proc.poll() is None)
     return proc, endpoint
@@ -145,7 +152,12 @@ def bench_migration(a_ep: str, b_ep: str, n_tokens: int, repeats: int) -> dict[s
 
 
 def main() -> None:
+    # This client receives 64 MiB messages too: the same malloc tunable as
+    # the workers (edge/memory.py), unless --plain-malloc asks to compare.
+    if "--plain-malloc" not in sys.argv:
+        reexec_with_tunables()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plain-malloc", action="store_true", help="workers and client without it")
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2000)
@@ -153,11 +165,16 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="skiff-frames-") as tmp_s:
         tmp = Path(tmp_s)
-        a, a_ep = start_worker(tmp, "a", "--lanes", "2", "--ctx", "8192")
-        b, b_ep = start_worker(tmp, "b", "--lanes", "2", "--ctx", "8192")
+        # no prefix cache: every re-prefill below must be a cold one
+        a, a_ep = start_worker(tmp, "a", "--lanes", "2", "--ctx", "8192", "--prefix-cache", "0")
+        b, b_ep = start_worker(tmp, "b", "--lanes", "2", "--ctx", "8192", "--prefix-cache", "0")
         try:
             echo = bench_echo(a_ep, a.pid, args.mib, args.rounds)
-            print(f"echo {echo['mib']:.0f} MiB frame, median of {args.rounds} round trips")
+            tunables = os.environ.get("GLIBC_TUNABLES", "") or "none"
+            print(
+                f"echo {echo['mib']:.0f} MiB frame, median of {args.rounds} round trips "
+                f"(GLIBC_TUNABLES={tunables})"
+            )
             print(
                 f"  round trip {echo['rt_ms']:.1f} ms = {echo['rt_gbs']:.2f} GB/s "
                 f"| memcpy {echo['memcpy_ms']:.1f} ms = {echo['memcpy_gbs']:.2f} GB/s "

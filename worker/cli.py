@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from edge import EdgeConfig, EdgeServer, logs
+from edge.memory import reexec_with_tunables
 from protocol.sockets import SocketOptions
 
 from . import config
@@ -52,6 +53,8 @@ def raise_fd_limit() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # a real process, not a call from Python
+        reexec_with_tunables()
     cfg = config.parse(argv)
     raise_fd_limit()
     logs.configure(cfg.log_format, cfg.log_level)

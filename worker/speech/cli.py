@@ -18,6 +18,7 @@ from types import FrameType
 import zmq
 
 from edge import EdgeConfig, EdgeServer, logs
+from edge.memory import reexec_with_tunables
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, SocketOptions
 
 from . import DEFAULT_BIND
@@ -135,6 +136,8 @@ def voice_specs(cli_voices: Sequence[str] | None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # a real process, not a call from Python
+        reexec_with_tunables()
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.configure(args.log_format, args.log_level)
