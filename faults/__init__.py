@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     LIMIT_EXCEEDED = "limit_exceeded"
     UNSUPPORTED = "unsupported"
     PAYLOAD_TOO_LARGE = "payload_too_large"
+    STAGE_UNAVAILABLE = "stage_unavailable"
     INTERNAL = "internal"
 
 
@@ -105,6 +106,12 @@ class Unsupported(Fault):
     code = ErrorCode.UNSUPPORTED
 
 
+class StageUnavailable(Fault):
+    """The next pipeline stage is down or not answering; chain work cannot run."""
+
+    code = ErrorCode.STAGE_UNAVAILABLE
+
+
 class Internal(Fault):
     """An invariant broke (a bug) or the engine failed; the session may be reset."""
 
@@ -138,6 +145,7 @@ _BY_CODE: dict[str, type[Fault]] = {
         DeadlineExceeded,
         LimitExceeded,
         Unsupported,
+        StageUnavailable,
         Internal,
     )
 }
@@ -168,6 +176,7 @@ __all__ = [
     "PositionMismatch",
     "QueueFull",
     "SessionNotActive",
+    "StageUnavailable",
     "UnknownOp",
     "Unsupported",
     "UnsupportedVersion",

@@ -43,6 +43,7 @@ class Op(StrEnum):
     EXPORT_STATE = "export_state"
     IMPORT_STATE = "import_state"
     ECHO = "echo"
+    FORWARD_FRAME = "forward_frame"  # stage to stage
     SYNTHESIZE = "synthesize"  # the speech worker's
 
 

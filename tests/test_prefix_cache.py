@@ -153,7 +153,9 @@ def test_pool_honours_its_cache_limit() -> None:
 
 
 def test_sliding_window_guard_refuses_a_prefix_the_window_lost() -> None:
-    engine = SimpleNamespace(n_seq=2, n_ctx_per_seq=4096, n_swa=512, pos_min=lambda lane: 300)
+    engine = SimpleNamespace(
+        n_seq=2, n_ctx_per_seq=4096, n_swa=512, n_layer=18, pos_min=lambda lane: 300
+    )
     rt = RuntimeState(engine, prefix_cache=-1)  # type: ignore[arg-type]
     assert rt.window_holds(0, 812)  # cells 300..811 still cover the last 512 positions
     assert not rt.window_holds(0, 700)  # position 188.. would be needed, 300 is the oldest

@@ -76,6 +76,7 @@ class FakeRuntime:
 
     def __init__(self, n_lanes: int, ctx_per_lane: int = 256) -> None:
         self.engine = FakeEngine()
+        self.n_layer = FakeEngine.n_layer
         self.lanes = LanePool(n_lanes)
         self.ctx_per_lane = ctx_per_lane
         self.calls: list[list[Row]] = []  # every forward, in order

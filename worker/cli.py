@@ -18,13 +18,18 @@ from .models import resolve_model
 from .runtime import DraftRuntime
 from .service import LlmService
 from .speculative import DraftModel
+from .stage.setup import StagePlan, plan_stage
 
 
-def build_engine(cfg: config.WorkerConfig, model: str | None = None) -> Engine:
-    """The target engine, or with ``model`` a draft engine with the same lanes."""
+def build_engine(
+    cfg: config.WorkerConfig, model: str | None = None, stage: StagePlan | None = None
+) -> Engine:
+    """The target engine, or with ``model`` a draft engine with the same lanes;
+    with ``stage`` the stage's slice (tapped when it has a next stage)."""
+    path = str(stage.model_path) if stage else str(resolve_model(model or cfg.model))
     return Engine(
         EngineConfig(
-            model_path=str(resolve_model(model or cfg.model)),
+            model_path=path,
             n_ctx=cfg.ctx,
             n_seq=cfg.lanes,
             n_ctx_per_seq=cfg.n_ctx_per_lane,
@@ -32,6 +37,9 @@ def build_engine(cfg: config.WorkerConfig, model: str | None = None) -> Engine:
             n_ubatch=cfg.ubatch,
             n_threads=cfg.n_threads,
             repack=bool(cfg.repack),
+            kv_unified=True if stage else None,
+            tap_layers=(stage.tap_layer,) if stage and stage.tap_layer is not None else (),
+            tap_stop=bool(stage and stage.tap_layer is not None),
         )
     )
 
@@ -61,11 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = logs.get_logger("skiff.cli")
     draft: DraftModel | None = None
     try:
-        engine = build_engine(cfg)
+        stage = plan_stage(cfg)
+        engine = build_engine(cfg, stage=stage)
         if cfg.draft_model:
+            if stage is not None:
+                raise ValueError("--draft-model is not supported on a pipeline stage")
             path = str(resolve_model(cfg.draft_model))
             draft = DraftModel(DraftRuntime(build_engine(cfg, cfg.draft_model), path))
-        service = LlmService(cfg, engine, draft=draft)
+        service = LlmService(cfg, engine, draft=draft, stage=stage)
         server = EdgeServer(edge_config(cfg), service)
     except Exception as exc:
         log.error("startup_failed", error=str(exc))

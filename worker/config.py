@@ -40,6 +40,9 @@ class WorkerConfig:
     log_level: str = "info"
     chat_template: str = ""  # "" = the model's own, else the Gemma-turn fallback
     draft_model: str = ""  # "" = no draft model; a GGUF path or "default"
+    layers: str = ""  # "LO:HI": serve only these layers (a pipeline stage); "" = all
+    next: str = ""  # the next stage's endpoint (a stage without the last layer)
+    frame_dtype: str = "f32"  # hidden rows sent to the next stage: f32 (exact) or f16
 
     @property
     def n_threads(self) -> int:
@@ -93,6 +96,9 @@ _OPTIONS: list[tuple[str, type, str]] = [
         "largest ZeroMQ frame a peer may send; larger drops its connection (MAXMSGSIZE)",
     ),
     ("draft-model", str, "GGUF (or 'default') drafting for speculative.mode=draft_model"),
+    ("layers", str, "LO:HI: serve only these layers, as one pipeline stage; empty = all"),
+    ("next", str, "endpoint of the next stage (every stage but the last has one)"),
+    ("frame-dtype", str, "hidden rows to the next stage: f32 (exact) or f16 (half the bytes)"),
     ("log-format", str, "log rendering: auto (console on a TTY, else json), json, console"),
     ("log-level", str, "debug, info, warning, error"),
     ("chat-template", str, "Jinja chat template file for chat; empty = the model's or Gemma-turn"),
@@ -121,6 +127,8 @@ def build_parser(prog: str = "skiff-worker") -> argparse.ArgumentParser:
             extra["choices"] = LOG_FORMATS
         if option == "prefix-reuse":
             extra["choices"] = ("exact", "any")
+        if option == "frame-dtype":
+            extra["choices"] = ("f32", "f16")
         parser.add_argument(
             f"--{option}",
             type=kind,

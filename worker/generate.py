@@ -111,7 +111,7 @@ class GenerateJob(Job):
         rt.ensure_room(self.session, len(self.tokens) - self.done)
         self.session.pending = []
         self.t_start = time.monotonic()
-        self.n_layer = rt.engine.n_layer
+        self.n_layer = rt.n_layer
         return False
 
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:

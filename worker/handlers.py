@@ -39,7 +39,14 @@ from .runtime import Ephemeral, RuntimeState, SessionId
 from .scheduler import Scheduler
 from .spec import GrammarChecker, SamplerSpec
 from .speculative import Drafter, DraftModel, PromptLookup
-from .tensor_jobs import POOLINGS, EmbedJob, ExportStateJob, ImportStateJob
+from .tensor_jobs import (
+    POOLINGS,
+    EmbedJob,
+    ExportStateJob,
+    ImportStateJob,
+    StageForwardJob,
+    StageStep,
+)
 from .ticket import Tensors, Ticket
 from .validate import (
     check_logit_rows,
@@ -208,6 +215,8 @@ def _speculative(app: App, args: dict[str, Any]) -> Drafter | None:
         return None
     if not isinstance(raw, dict):
         raise BadRequest("speculative must be a map")
+    if app.rt.tail is not None:
+        raise Unsupported("speculative decoding is not served by a pipeline of stages")
     mode = raw.get("mode")
     if mode not in ("prompt_lookup", "draft_model"):
         raise BadRequest("speculative.mode must be 'prompt_lookup' or 'draft_model'")
@@ -491,6 +500,69 @@ def h_echo(app: App, req: Request) -> dict[str, Any] | None:
     return None
 
 
+def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
+    """Stage to stage: run this stage's layers over an upstream stage's rows."""
+    args = req.args
+    frame = get_frame(args, "input", req.buffers)
+    n_embd = app.engine.n_embd
+    if frame.identities != ("hidden",):
+        raise BadRequest("input must carry exactly one part, identity 'hidden'")
+    part = frame.part("hidden")
+    shape_ok = len(part.dims) == 2 and part.dims[1] == n_embd and part.token_axis == 0
+    if part.dtype not in ("f32", "f16") or not shape_ok:
+        raise BadRequest(f"input.hidden must be f32 or f16 [tokens, {n_embd}], token_axis 0")
+    rows = frame.array("hidden")
+    if part.dtype == "f16":
+        rows = rows.astype(np.float32)  # the engine takes f32 rows
+    raw = args.get("steps")
+    if not isinstance(raw, list) or not 0 < len(raw) <= app.rt.lanes.n_lanes:
+        raise BadRequest(f"steps must be a list of 1..{app.rt.lanes.n_lanes} maps")
+    steps: list[StageStep] = []
+    seen: set[str] = set()
+    row = 0
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise BadRequest(f"steps[{i}] must be a map")
+        sid = check_session(entry.get("session"), f"steps[{i}].session")
+        if sid in seen:
+            raise BadRequest(f"steps[{i}].session {sid!r} appears twice")
+        seen.add(sid)
+        tokens = entry.get("tokens")
+        if (
+            not isinstance(tokens, list)
+            or not tokens
+            or not all(type(t) is int and -1 <= t < app.n_vocab for t in tokens)
+        ):
+            raise BadRequest(f"steps[{i}].tokens must be token ids (-1: fed as embeddings)")
+        position = get_int(entry, "position", lo=0, hi=app.rt.ctx_per_lane)
+        top = entry.get("top_logprobs")
+        if top is not None and (type(top) is not int or not 0 <= top <= 20):
+            raise BadRequest(f"steps[{i}].top_logprobs must be 0..20 or null")
+        outputs = get_outputs({"output": entry.get("output") or None})
+        spec = get_sampling(entry, "sampling", grammars=app.grammars)
+        n = len(tokens)
+        steps.append(
+            StageStep(
+                sid,
+                tokens,
+                position,
+                get_bool(entry, "sample", False),
+                spec,
+                outputs,
+                get_bool(entry, "capture_all", False),
+                top,
+                rows[row : row + n],
+            )
+        )
+        row += n
+    if row != len(rows):
+        raise BadRequest(f"steps carry {row} tokens but input.hidden has {len(rows)} rows")
+    if row > app.cfg.budget:
+        raise BadRequest(f"forward_frame carries {row} rows; one forward takes {app.cfg.budget}")
+    app.submit(StageForwardJob(app.ticket(req), steps))
+    return None
+
+
 def h_cancel(app: App, req: Request) -> dict[str, Any] | None:
     target = get_int(req.args, "id")
     return {"cancelled": app.sched.cancel(req.peer, target)}
@@ -520,4 +592,5 @@ HANDLERS: dict[str, Handler] = {
     Op.EXPORT_STATE: h_export_state,
     Op.IMPORT_STATE: h_import_state,
     Op.ECHO: h_echo,
+    Op.FORWARD_FRAME: h_forward_frame,
 }

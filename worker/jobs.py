@@ -82,7 +82,7 @@ def tensors_of(
     rt: RuntimeState, results: Sequence[StepResult], positions: list[int], sequences: int = 1
 ) -> Tensors | None:
     """The captured rows of ``results`` (in order) as one output's tensors."""
-    return tensors_of_rows(results, positions, rt.engine.n_layer, sequences)
+    return tensors_of_rows(results, positions, rt.n_layer, sequences)
 
 
 def tensors_of_rows(

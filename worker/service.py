@@ -18,6 +18,7 @@ from typing import Any
 from structlog import get_logger
 
 from edge import Handler, Outgoing, Request, failure_header, logs
+from faults import Fault, Unsupported
 from protocol import frames
 from protocol.envelope import VERSION, event_reply, ok_reply
 
@@ -30,6 +31,7 @@ from .runtime import RuntimeState
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import GrammarChecker
 from .speculative import DraftModel
+from .stage.setup import StagePlan, link_for
 from .ticket import Event, Failure, Outbox, Output, Tensors, Ticket
 
 _log = get_logger("skiff.worker")
@@ -38,13 +40,32 @@ _log = get_logger("skiff.worker")
 class LlmService:
     """One model, its lanes, its scheduler; answers through the edge."""
 
-    def __init__(self, cfg: WorkerConfig, engine: Engine, draft: DraftModel | None = None) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        engine: Engine,
+        draft: DraftModel | None = None,
+        stage: StagePlan | None = None,
+    ) -> None:
         self.cfg = cfg
         self.engine = engine
         self.draft = draft  # speculative.mode = "draft_model"
+        self.stage = stage  # a pipeline stage (``--layers``), or None for the whole model
+        self.link = link_for(stage) if stage else None
         self.n_vocab = engine.n_vocab
         self.grammars: GrammarChecker | None = LlamaGrammars()
-        self.rt = RuntimeState(engine, cfg.prefix_cache, cfg.prefix_reuse)
+        self.rt = RuntimeState(
+            engine,
+            # On a stage, a cached lane's cells would stay in the unified KV
+            # cache and move where a new session's cells land (and with them
+            # the attention kernels' sums): results would drift from a
+            # whole-model worker's. Stages keep no prefix cache.
+            0 if stage else cfg.prefix_cache,
+            cfg.prefix_reuse,
+            tail=self.link,
+            tap_layer=stage.tap_layer if stage else None,
+            n_layer=stage.n_layer if stage else None,
+        )
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
         # A prefill piece is taken whole or waits; keep room for a full row of
         # decodes beside it so a prompt can never wait on running streams.
@@ -60,7 +81,8 @@ class LlmService:
         )
         self.outbox = Outbox()
         self._handlers: dict[str, Handler] = {
-            op: functools.partial(fn, self) for op, fn in HANDLERS.items()
+            op: functools.partial(fn, self) if allowed(op, stage) else _refuse(op, stage)
+            for op, fn in HANDLERS.items()
         }
         self.requests = 0
 
@@ -116,7 +138,7 @@ class LlmService:
                 "name": e.metadata("general.name"),
                 "n_vocab": e.n_vocab,
                 "n_embd": e.n_embd,
-                "n_layer": e.n_layer,
+                "n_layer": self.rt.n_layer,
                 "n_ctx_train": e.n_ctx_train,
                 "bos": e.bos,
                 "eos": e.eos,
@@ -137,7 +159,22 @@ class LlmService:
                 "max_queue": self.cfg.max_queue,
             },
             "protocol": VERSION,
+            **(self.chain_info() or {}),
         }
+
+    def chain_info(self) -> dict[str, Any] | None:
+        """This stage and every stage after it (asked down the chain)."""
+        if self.stage is None:
+            return None
+        mine = {**self.stage.info(), "bind": self.cfg.bind}
+        chain = [mine]
+        if self.link is not None:
+            try:
+                rest = self.link.info().get("chain") or []
+                chain.extend(rest if isinstance(rest, list) else [])
+            except Fault as exc:
+                chain.append({"endpoint": self.stage.next, "error": exc.message})
+        return {"stage": mine, "chain": chain}
 
     def stats(self) -> dict[str, Any]:
         out = self.rt.stats()
@@ -146,6 +183,44 @@ class LlmService:
         out["queued"] = len(self.sched.pending)
         out["requests"] = self.requests
         return out
+
+
+# Ops a stage that is not the first serves (its peer is the previous stage).
+_DOWNSTREAM_OPS = {
+    "ping",
+    "info",
+    "stats",
+    "forward_frame",
+    "trim",
+    "align",
+    "drop",
+    "cancel",
+    "tokenize",
+    "detokenize",
+}
+# Ops the head of a chain cannot serve: they need this process's logits or all the KV.
+_NOT_ON_CHAIN = {"verify", "signal", "signal_window", "export_state", "import_state"}
+
+
+def allowed(op: str, stage: StagePlan | None) -> bool:
+    if stage is None or (stage.first and not stage.next):
+        return op != "forward_frame"
+    if not stage.first:
+        return op in _DOWNSTREAM_OPS
+    return op not in _NOT_ON_CHAIN and op != "forward_frame"
+
+
+def _refuse(op: str, stage: StagePlan | None) -> Handler:
+    def handler(req: Request) -> dict[str, Any] | None:
+        if stage is None or stage.first:
+            where = "a whole-model worker" if stage is None else "the head of a pipeline"
+            raise Unsupported(f"{op} is not served by {where}")
+        raise Unsupported(
+            f"{op} is not served by a pipeline stage holding layers "
+            f"{stage.layers[0]}:{stage.layers[1]}; send it to stage 0"
+        )
+
+    return handler
 
 
 def to_frame(t: Tensors) -> frames.Frame:

@@ -12,8 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from .jobs import Job, PrefillJob
-from .runtime import RuntimeState, SessionId, StepResult
+from faults import BadRequest, LanesBusy
+
+from .jobs import PHASE_ATOMIC, Job, PrefillJob
+from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.portable import export_session, import_session
 from .spec import SamplerSpec
 from .ticket import Tensors, Ticket
@@ -40,7 +42,7 @@ class EmbedJob(PrefillJob):
             return False
         rows = [r.hidden for r in self.captured if r.hidden is not None]
         hidden = rows[0] if len(rows) == 1 else np.concatenate(rows)
-        n_layer = rt.engine.n_layer
+        n_layer = rt.n_layer
         result: dict[str, Any] = {"tokens": len(self.tokens), "pooling": self.pooling}
         if self.pooling == "none":
             positions = list(range(len(self.tokens)))
@@ -70,7 +72,7 @@ class ExportStateJob(Job):
             None,
             1,
             0,
-            rt.engine.n_layer,
+            rt.n_layer,
             axes={"kv_state": -1},
             token_count=int(meta["position"]),
         )
@@ -98,4 +100,121 @@ class ImportStateJob(Job):
         session = import_session(rt, self.sessions[0], self.meta, self.kv, self.sampler_spec)
         self.kv = np.empty(0, dtype=np.uint8)  # release the request's buffer
         self.ticket.reply({"position": session.position})
+        return True
+
+
+class StageStep:
+    """One step of a ``forward_frame`` request, validated by the handler."""
+
+    __slots__ = (
+        "capture_all",
+        "outputs",
+        "position",
+        "rows",
+        "sample",
+        "session",
+        "spec",
+        "tokens",
+        "top_logprobs",
+    )
+
+    def __init__(
+        self,
+        session: str,
+        tokens: list[int],
+        position: int,
+        sample: bool,
+        spec: SamplerSpec | None,
+        outputs: tuple[str, ...],
+        capture_all: bool,
+        top_logprobs: int | None,
+        rows: np.ndarray,
+    ) -> None:
+        self.session = session
+        self.tokens = tokens
+        self.position = position
+        self.sample = sample
+        self.spec = spec
+        self.outputs = outputs
+        self.capture_all = capture_all
+        self.top_logprobs = top_logprobs
+        self.rows = rows
+
+
+class StageForwardJob(Job):
+    """The rest of the model for rows an upstream stage computed (``forward_frame``).
+
+    Every step's session is admitted (made on first use) and must stand at
+    the step's position; all of it runs in one forward, fed as input rows.
+    Sampling happens here when this stage holds the last layer (or further
+    down, transparently, when it has a next stage of its own).
+    """
+
+    phase = PHASE_ATOMIC
+    atomic = True
+
+    def __init__(self, ticket: Ticket, steps: list[StageStep]) -> None:
+        super().__init__(ticket, [s.session for s in steps])
+        self.steps = steps
+        self.bound: list[Session] = []
+
+    def start(self, rt: RuntimeState) -> bool:
+        missing = rt.lanes.missing(self.sessions)
+        if len(missing) > rt.lanes.free:
+            raise LanesBusy(
+                f"forward_frame needs {len(missing)} new sessions, {rt.lanes.free} lanes free"
+            )
+        for i, step in enumerate(self.steps):
+            known = rt.lanes.get(step.session)
+            position = known.position if known else 0
+            if position != step.position:
+                raise BadRequest(
+                    f"steps[{i}]: session {step.session!r} is at {position} on this stage, "
+                    f"not {step.position} (a stage restarted? drop and prefill again)"
+                )
+        self.bound = rt.admit(self.sessions)
+        for session, step in zip(self.bound, self.steps, strict=True):
+            rt.ensure_room(session, len(step.tokens))
+        return False
+
+    def size(self) -> int:
+        return sum(len(s.tokens) for s in self.steps)
+
+    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
+        if self.size() > budget:
+            return []
+        return [
+            Step(
+                session,
+                s.tokens,
+                s.sample,
+                s.spec,
+                s.outputs,
+                top_logprobs=s.top_logprobs,
+                capture_all=s.capture_all,
+                embd=s.rows,
+            )
+            for session, s in zip(self.bound, self.steps, strict=True)
+        ]
+
+    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        items: list[dict[str, Any]] = []
+        parts: dict[str, list[np.ndarray]] = {}
+        for result in results:
+            item: dict[str, Any] = {"token": result.token, "rows": 0}
+            if result.logprobs is not None:
+                item["logprobs"] = result.logprobs
+            if result.error is not None:
+                item["error"] = result.error.message
+            for name in ("hidden", "logits"):
+                array = getattr(result, name)
+                if array is not None:
+                    parts.setdefault(name, []).append(array)
+                    item["rows"] = int(array.shape[0])
+            items.append(item)
+        tensors = None
+        if parts:
+            joined = {k: np.concatenate(v) for k, v in parts.items()}
+            tensors = Tensors(joined, None, len(results), 0, rt.n_layer)
+        self.ticket.reply({"results": items}, tensors)
         return True

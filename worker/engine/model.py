@@ -35,6 +35,7 @@ import numpy as np
 from .batch import Batch, Segment
 from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import restream
+from .tap import LayerTap, TapError
 
 _backend_ready = False
 
@@ -74,6 +75,8 @@ class EngineConfig:
     repack: bool = False
     swa_full: bool = True  # keep every sliding-window cell (exact trim to any position)
     kv_unified: bool | None = None  # None: unified only when lanes may exceed an equal share
+    tap_layers: tuple[int, ...] = ()  # capture these layers' outputs (pipeline stages)
+    tap_stop: bool = False  # and stop the graph after the last of them
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,11 @@ class Engine:
             per_seq * cfg.n_seq > cfg.n_ctx if cfg.kv_unified is None else cfg.kv_unified
         )
         cparams.no_perf = True
+        self.tap: LayerTap | None = None
+        if cfg.tap_layers:
+            self.tap = LayerTap(cfg.tap_layers, cfg.tap_stop)
+            cparams.cb_eval = self.tap.callback
+            cparams.cb_eval_user_data = None
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             ll.llama_model_free(self._model)
@@ -219,7 +227,18 @@ class Engine:
         self._last = batch
         if n == 0:
             return DecodeStatus(0)
+        if self.tap is not None:
+            self.tap.reset()
         return DecodeStatus(int(ll.llama_decode(self._ctx, batch.raw)))
+
+    def take_taps(self) -> dict[int, np.ndarray]:
+        """The layer outputs the tap captured during the last decode."""
+        if self.tap is None:
+            raise EngineError("this engine has no layer tap")
+        try:
+            return self.tap.take()
+        except TapError as exc:
+            raise EngineError(str(exc)) from exc
 
     def set_hidden(self, on: bool) -> None:
         """Whether the next decodes also output final hidden states.

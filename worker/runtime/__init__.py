@@ -6,7 +6,8 @@ the runtime itself knows nothing of the wire).
 
 from .draft import DraftRuntime
 from .lanes import Ephemeral, LanePool, Session, SessionId
-from .state import RuntimeState, Step, StepResult
+from .state import RuntimeState
+from .steps import Step, StepResult
 
 __all__ = [
     "DraftRuntime",

@@ -25,53 +25,11 @@ from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch
 
 from ..engine import Engine, Sampler, SamplerError, Segment, greedy_token
 from ..spec import SamplerSpec
+from .chain import forward_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
 from .signals import logprobs_of, signal_of
-
-
-@dataclass
-class Step:
-    """Part of one forward: ``tokens`` appended to ``session``.
-
-    ``sample`` asks for a token sampled after the last one (with ``spec``,
-    or greedy when ``spec`` is None). ``outputs`` ("hidden", "logits")
-    copies those tensors out for the sampled row, or for every row of the
-    step with ``capture_all``. ``embd`` (``[n, n_embd]`` f32) feeds input
-    embeddings instead of token ids; ``tokens`` then holds n placeholders.
-    """
-
-    session: Session
-    tokens: Sequence[int]
-    sample: bool = False
-    spec: SamplerSpec | None = None
-    outputs: tuple[str, ...] = ()
-    all_rows: bool = False  # logits for every token (verify, speculation)
-    top_logprobs: int | None = None  # logprobs of the sampled token (+ top k)
-    grid: bool = False  # a whole grid piece of a prompt prefilled from position 0
-    capture_all: bool = False  # ``outputs`` for every token of the step
-    embd: np.ndarray | None = None
-
-    @property
-    def wants_hidden(self) -> bool:
-        return "hidden" in self.outputs
-
-    @property
-    def group(self) -> tuple[bool, bool]:
-        """Steps of one group share a ``llama_decode``: token ids and input
-        embeddings cannot share a batch, and hidden-state output makes every
-        row of its batch an output row (kept away from other steps' batches)."""
-        return (self.embd is not None, self.wants_hidden)
-
-
-@dataclass
-class StepResult:
-    token: int | None = None
-    logits: np.ndarray | None = None  # [rows, n_vocab] copies (``outputs``)
-    hidden: np.ndarray | None = None  # [rows, n_embd] copies (``outputs``)
-    rows: list[int] | None = None  # batch rows of every token (``all_rows``)
-    logprobs: dict[str, Any] | None = None
-    error: BadRequest | None = None  # this step's sampling failed
-
+from .steps import Step, StepResult
+from .tail import Tail
 
 # A cached prefix shorter than this is not worth giving up an empty lane for.
 MIN_PREFIX_REUSE = 8
@@ -93,10 +51,29 @@ class PrefixStats:
 
 
 class RuntimeState:
-    def __init__(self, engine: Engine, prefix_cache: int = 0, reuse: str = "exact") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prefix_cache: int = 0,
+        reuse: str = "exact",
+        tail: Tail | None = None,
+        tap_layer: int | None = None,
+        n_layer: int | None = None,
+    ) -> None:
         if reuse not in REUSE_MODES:
             raise ValueError(f"prefix reuse must be one of {REUSE_MODES}")
+        if (tail is None) != (tap_layer is None):
+            raise ValueError("a stage with a next stage needs a layer tap, and only it")
         self.engine = engine
+        # Layers of the whole model (a pipeline stage's engine holds a slice):
+        # outputs are after all of them, whichever stage computed them.
+        self.n_layer = n_layer or engine.n_layer
+        # A pipeline stage without the model's last layer: the rest of the
+        # model is ``tail``; this engine's output is layer ``tap_layer``.
+        self.tail = tail
+        self.tap_layer = tap_layer
+        if tail is not None:
+            prefix_cache = 0  # a reused lane would need the same prefix downstream
         self.reuse = reuse
         self.lanes = LanePool(engine.n_seq, prefix_cache)
         self.ctx_per_lane = engine.n_ctx_per_seq
@@ -205,6 +182,8 @@ class RuntimeState:
             self.engine.seq_clear(session.lane)
         self.lanes.release(session_id, keep)
         self._clear_evicted()
+        if self.tail is not None and session.position > 0:
+            self.tail.session_op("drop", str(session_id))
 
     def _consistent(self, session: Session) -> bool:
         return len(session.tokens) == session.position == self.engine.pos_max(session.lane) + 1
@@ -231,6 +210,8 @@ class RuntimeState:
         session.pending = []
         del session.tokens[token_count:]
         self.check_position(session)
+        if self.tail is not None:
+            self.tail.session_op("trim", str(session_id), token_count)
         return session.position
 
     def align(self, session_id: SessionId, token_count: int) -> tuple[int | None, int | None]:
@@ -326,11 +307,13 @@ class RuntimeState:
             )
             for s in steps
         ]
+        if self.tail is not None:
+            return forward_chain(self, steps)
         self.engine.set_hidden(hidden)
         status = self.engine.decode(segments)
         self.forwards += 1
         if not status.ok:
-            self._reconcile_after_failure(steps, status.describe())
+            self.reconcile_after_failure(steps, status.describe())
         # Account for every step first: sampling one may fail (a grammar with
         # no allowed token) and must not leave the others' positions behind.
         for step in steps:
@@ -379,7 +362,7 @@ class RuntimeState:
             if step.top_logprobs is not None:
                 result.logprobs = session.last_logprobs
 
-    def _reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None:
+    def reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None:
         advanced: dict[str, int] = {}
         for step in steps:
             session = step.session

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""A 2-stage chain (layers 0:9 -> 9:18) beside one whole-model worker.
+
+    .venv/bin/python scripts/bench_stages.py [--tokens 64] [--frame-dtype f32|f16]
+
+Printed, all from one run:
+- aggregate tok/s of ``generate`` at concurrency 1 and 8, chain vs one worker;
+- per-hop latency: the extra time a greedy decode step takes through the
+  chain, over the one worker's step (one hop: stage 0 -> stage 1 and back);
+- bytes per token on the wire between the stages (hidden rows: 4 x n_embd in
+  f32, 2 x n_embd in f16, plus the request header);
+- with ``--frame-dtype f16``: the largest logit difference from the one
+  worker over a 20-token prompt and 16 greedy steps (f32 is exact: 0.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from protocol import Client, codec, frames  # noqa: E402
+
+PROMPTS = [
+    f"Story {i}: once upon a time in a village by the {w}, there lived"
+    for i, w in enumerate(["sea", "hill", "river", "wood", "lake", "road", "bay", "field"])
+]
+
+
+def start(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    endpoint = f"ipc://{tmp}/{name}.sock"
+    log = (tmp / f"{name}.log").open("wb")
+    cmd = [sys.executable, "-m", "worker.cli", "--bind", endpoint, "--threads", "2", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with Client(endpoint) as c:
+        c.wait_ready(300, alive=lambda: proc.poll() is None)
+    return proc, endpoint
+
+
+def throughput(endpoint: str, concurrency: int, max_tokens: int) -> float:
+    done = [0] * concurrency
+
+    def one(i: int) -> None:
+        with Client(endpoint, timeout_ms=300_000) as c:
+            r = c.call(
+                "generate",
+                None,
+                {
+                    "prompt": PROMPTS[i],
+                    "max_tokens": max_tokens,
+                    "stream": False,
+                    "ignore_eos": True,
+                },
+            )
+            done[i] = len(r.result["tokens"])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - t0)
+
+
+def step_ms(endpoint: str, steps: int = 32) -> tuple[float, list[int], np.ndarray]:
+    """Median ms of one greedy decode, its tokens, and each step's logits."""
+    with Client(endpoint, timeout_ms=300_000) as c:
+        tokens = c.tokenize(PROMPTS[0])[:20]
+        token = int(c.prefill_sampled("bench", tokens)["token"])
+        times, out, rows = [], [token], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            reply = c.decode("bench", out[-1], output=["logits"])
+            times.append(time.perf_counter() - t0)
+            rows.append(np.array(reply.frame.array("logits")[0]))
+            out.append(int(reply.result["token"]))
+        c.drop("bench")
+    return statistics.median(times) * 1e3, out, np.stack(rows)
+
+
+def wire_bytes_per_token(n_embd: int, dtype: str) -> int:
+    """Bytes of a one-row forward_frame request (header + buffer)."""
+    rows = np.zeros((1, n_embd), dtype=np.float16 if dtype == "f16" else np.float32)
+    buffers: list[object] = []
+    header = {
+        "v": 1,
+        "id": 1,
+        "op": "forward_frame",
+        "args": {
+            "input": frames.attach(
+                frames.make_frame([("hidden", rows, 0)], positions=[100]), buffers
+            ),
+            "steps": [
+                {
+                    "session": "s",
+                    "tokens": [1234],
+                    "position": 100,
+                    "sample": True,
+                    "sampling": None,
+                    "output": [],
+                    "capture_all": False,
+                    "top_logprobs": None,
+                }
+            ],
+        },
+    }
+    return len(codec.encode(header)) + rows.nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per generate")
+    ap.add_argument("--frame-dtype", choices=("f32", "f16"), default="f32")
+    args = ap.parse_args()
+    common = ("--lanes", "8", "--ctx", "16384")
+    with tempfile.TemporaryDirectory(prefix="skiff-stages-") as tmp_s:
+        tmp = Path(tmp_s)
+        procs = []
+        try:
+            full, full_ep = start(tmp, "full", *common)
+            procs.append(full)
+            s1, s1_ep = start(tmp, "s1", *common, "--layers", "9:18")
+            procs.append(s1)
+            s0, s0_ep = start(
+                tmp,
+                "s0",
+                *common,
+                "--layers",
+                "0:9",
+                "--next",
+                s1_ep,
+                "--frame-dtype",
+                args.frame_dtype,
+            )
+            procs.append(s0)
+            with Client(full_ep) as c:
+                n_embd = c.info()["model"]["n_embd"]
+            ms_full, tok_full, log_full = step_ms(full_ep)
+            ms_chain, tok_chain, log_chain = step_ms(s0_ep)
+            diff = float(np.max(np.abs(log_full - log_chain)))
+            print(f"2-stage chain (0:9 -> 9:18, frames {args.frame_dtype}) vs one worker")
+            print(
+                f"  decode step c=1: chain {ms_chain:.1f} ms | one worker {ms_full:.1f} ms | "
+                f"per-hop latency {ms_chain - ms_full:.2f} ms"
+            )
+            print(
+                f"  greedy tokens identical: {tok_full == tok_chain} | max |logit diff| "
+                f"{diff:.6g} (16+ steps)"
+            )
+            width = 4 if args.frame_dtype == "f32" else 2
+            wire = wire_bytes_per_token(n_embd, args.frame_dtype)
+            print(
+                f"  wire bytes per token stage 0 -> 1: {wire} "
+                f"(hidden row {width} x n_embd = {width * n_embd})"
+            )
+            for conc in (1, 8):
+                a = throughput(full_ep, conc, args.tokens)
+                b = throughput(s0_ep, conc, args.tokens)
+                print(
+                    f"  generate c={conc}: chain {b:.1f} tok/s | one worker {a:.1f} tok/s | "
+                    f"ratio {b / a:.2f}"
+                )
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Pipeline stages: one model split by layers across worker processes.
+
+A chain's results must equal one whole-model worker's to the last bit
+(logits compared, not only tokens: a wrong sliding-window layout can keep
+greedy tokens while moving logits by several units)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import start_worker, stop_worker
+from protocol import Client, SkiffError
+from worker.stage.slicer import slice_model, validate
+
+PROMPT = "The lighthouse keeper climbed the stairs every evening, and the sea below"
+
+
+def _long_prompt(client: Client, n: int) -> list[int]:
+    text = " ".join(f"Note {i}: the tide reached marker {i * 11 % 37} at noon." for i in range(300))
+    tokens: list[int] = client.tokenize(text)
+    return tokens[:n]
+
+
+def _run(
+    client: Client, session: str, tokens: list[int], steps: int
+) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the logits of every step, through ``output``."""
+    first = client.prefill_sampled(session, tokens)["token"]
+    out, rows = [first], []
+    for _ in range(steps):
+        reply = client.decode(session, out[-1], output=["logits"])
+        rows.append(np.array(reply.frame.array("logits")[0]))
+        out.append(int(reply.result["token"]))
+    client.drop(session)
+    return out, np.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def chain2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    """(stage-0 endpoint, stage-1 endpoint, tmp): layers 0:9 -> 9:18."""
+    tmp = tmp_path_factory.mktemp("chain2")
+    args = ("--lanes", "8", "--ctx", "16384")
+    p1, e1, _ = start_worker(tmp, *args, "--layers", "9:18", name="s1")
+    p0, e0, _ = start_worker(tmp, *args, "--layers", "0:9", "--next", e1, name="s0")
+    yield e0, e1, tmp
+    stop_worker(p0)
+    stop_worker(p1)
+
+
+@pytest.mark.parametrize("n_tokens", [20, 700])
+def test_two_stages_equal_one_worker_to_the_bit(
+    client: Client, chain2: tuple[str, str, Path], n_tokens: int
+) -> None:
+    tokens = _long_prompt(client, n_tokens) if n_tokens > 100 else client.tokenize(PROMPT)[:20]
+    want_tokens, want_logits = _run(client, f"full{n_tokens}", tokens, 16)
+    with Client(chain2[0], timeout_ms=120_000) as head:
+        got_tokens, got_logits = _run(head, f"chain{n_tokens}", tokens, 16)
+    assert got_tokens == want_tokens
+    assert float(np.max(np.abs(got_logits - want_logits))) == 0.0
+
+
+def test_chain_info_and_stage_refusals(chain2: tuple[str, str, Path]) -> None:
+    with Client(chain2[0]) as head, Client(chain2[1]) as tail:
+        info = head.info()
+        assert [s["layers"] for s in info["chain"]] == [[0, 9], [9, 18]]
+        assert tail.ping()["pong"] and tail.info()["stage"]["last"]
+        with pytest.raises(SkiffError) as err:
+            tail.prefill("x", [2, 3, 4])
+        assert err.value.code == "unsupported" and "stage 0" in err.value.message
+        with pytest.raises(SkiffError) as err:
+            head.call("verify", "v", {"tokens": [2, 3]})
+        assert err.value.code == "unsupported"
+
+
+def _batched(client: Client, tag: str, prompts: list[list[int]], steps: int) -> tuple[Any, ...]:
+    """Eight sessions prefilled, then ``steps`` decode_batch rounds of all
+    eight (8 rows: llama.cpp's tiled kernels) with their logits."""
+    names = [f"{tag}{i}" for i in range(len(prompts))]
+    last = [client.prefill_sampled(n, p)["token"] for n, p in zip(names, prompts, strict=True)]
+    tokens, logits = [list(last)], []
+    for _ in range(steps):
+        reply = client.decode_batch(
+            [{"session": n, "token": t} for n, t in zip(names, last, strict=True)],
+            output=["logits"],
+        )
+        last = list(reply.result["tokens"])
+        tokens.append(last)
+        logits.append(np.array(reply.frame.array("logits")))
+    for n in names:
+        client.drop(n)
+    return tokens, np.stack(logits)
+
+
+def test_eight_sessions_batched_through_a_chain_match_one_worker(
+    client: Client, chain2: tuple[str, str, Path]
+) -> None:
+    """A fresh worker as the reference: a batch's split into llama.cpp
+    micro-batches (and so its kernels) depends on which lanes the sessions
+    hold, and the shared worker's lanes are in whatever order earlier tests
+    left them."""
+    words = ["sea", "hill", "river", "wood", "lake", "road", "bay", "field"]
+    prompts = [client.tokenize(f"Story {i}: a village by the {w}") for i, w in enumerate(words)]
+    proc, endpoint, _ = start_worker(
+        chain2[2], "--lanes", "8", "--ctx", "16384", "--prefix-cache", "0", name="fresh"
+    )
+    try:
+        with Client(endpoint, timeout_ms=120_000) as fresh:
+            want_tokens, want_logits = _batched(fresh, "fullb", prompts, 8)
+    finally:
+        stop_worker(proc)
+    with Client(chain2[0], timeout_ms=120_000) as head:
+        got_tokens, got_logits = _batched(head, "chainb", prompts, 8)
+    assert got_tokens == want_tokens
+    assert float(np.max(np.abs(got_logits - want_logits))) == 0.0
+
+
+def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:
+    args = ("--lanes", "2", "--ctx", "4096")
+    p2, e2, _ = start_worker(tmp_path, *args, "--layers", "12:18", name="t2")
+    p1, e1, _ = start_worker(tmp_path, *args, "--layers", "6:12", "--next", e2, name="t1")
+    p0, e0, _ = start_worker(tmp_path, *args, "--layers", "0:6", "--next", e1, name="t0")
+    try:
+        tokens = client.tokenize(PROMPT)
+        want = _run(client, "three_full", tokens, 8)
+        with Client(e0, timeout_ms=120_000) as head:
+            got = _run(head, "three", tokens, 8)
+        assert got[0] == want[0]
+        assert float(np.max(np.abs(got[1] - want[1]))) == 0.0
+    finally:
+        for p in (p0, p1, p2):
+            stop_worker(p)
+
+
+def test_validate_catches_a_slice_without_the_window_fix(model_path: str, tmp_path: Path) -> None:
+    src = Path(model_path)
+    broken = slice_model(src, 9, 18, tmp_path / "broken.gguf", fix_swa=False)
+    why = validate(src, 9, 18, broken)
+    assert why is not None and "layer" in why
+    fixed = slice_model(src, 9, 18, tmp_path / "fixed.gguf")
+    assert validate(src, 9, 18, fixed) is None
+
+
+def test_killing_the_last_stage_ends_streams_with_stage_unavailable(tmp_path: Path) -> None:
+    args = ("--lanes", "2", "--ctx", "4096")
+    p1, e1, _ = start_worker(tmp_path, *args, "--layers", "9:18", name="k1")
+    p0, e0, _ = start_worker(tmp_path, *args, "--layers", "0:9", "--next", e1, name="k0")
+    try:
+        with Client(e0, timeout_ms=30_000) as head:
+            events: list[Any] = []
+            req = head.send(
+                "generate", None, {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+            )
+            events.append(head.recv(req))  # first token: the chain works
+            p1.kill()
+            killed = time.monotonic()
+            while True:
+                reply = head.recv(req, timeout_ms=10_000)
+                if not reply.header.get("ok") or reply.done:
+                    break
+            assert time.monotonic() - killed < 2.0
+            assert reply.header["error"]["code"] == "stage_unavailable"
+            assert head.ping()["pong"]
+            with pytest.raises(SkiffError) as err:
+                head.call("generate", None, {"prompt": "x", "max_tokens": 2, "stream": False})
+            assert err.value.code == "stage_unavailable"
+            # the stage comes back: new chain work runs again
+            p1, e1b, _ = start_worker(tmp_path, *args, "--layers", "9:18", name="k1")
+            assert e1b == e1
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    r = head.call(
+                        "generate", None, {"prompt": PROMPT, "max_tokens": 3, "stream": False}
+                    )
+                    break
+                except SkiffError as exc:
+                    if exc.code != "stage_unavailable" or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            assert r.result["tokens"]
+    finally:
+        stop_worker(p0)
+        stop_worker(p1)

@@ -1,0 +1,97 @@
+"""Reading layer outputs out of a running llama.cpp graph (``cb_eval``).
+
+A pipeline stage that does not hold the model's last layer must hand the
+output of its last layer (``l_out-N`` in llama.cpp's graph) to the next
+stage. llama.cpp offers no API for that, but its scheduler calls an
+evaluation callback for each graph node: asked first whether we want the
+node (``ask``), then, once the node is computed, given it to read. We read
+the wanted layer with ``ggml_backend_tensor_get`` and, when it is the last
+one needed, return False: the scheduler stops computing the graph there, so
+the rest (and the 262k-row output head) costs nothing.
+
+The callback fires once per micro-batch, so a prompt longer than
+``n_ubatch`` yields several captures, concatenated in order. An exception
+inside the callback must not escape into C: it is stored, computing stops,
+and ``take`` raises it after ``llama_decode`` returns. The ctypes callback
+object is kept on the tap so it outlives every decode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+from typing import Any
+
+import llama_cpp as ll
+import numpy as np
+from llama_cpp import _ggml
+
+_lib = _ggml.libggml
+_lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+_lib.ggml_get_name.restype = ctypes.c_char_p
+_lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+_lib.ggml_nbytes.restype = ctypes.c_size_t
+_lib.ggml_backend_tensor_get.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
+]
+_lib.ggml_backend_tensor_get.restype = None
+
+# struct ggml_tensor starts {enum ggml_type type; ggml_backend_buffer * buffer;
+# int64_t ne[4]; ...}: the shape sits at byte 16; type 0 is GGML_TYPE_F32.
+_NE_OFFSET = 16
+_GGML_TYPE_F32 = 0
+
+
+class TapError(RuntimeError):
+    """The graph did not give us what the tap asked for."""
+
+
+class LayerTap:
+    """Capture ``l_out-{k}`` for the layers asked; optionally stop after them."""
+
+    def __init__(self, layers: Iterable[int], stop: bool) -> None:
+        self.names = {f"l_out-{k}".encode(): k for k in layers}
+        self.last = max(self.names.values()) if self.names else -1
+        self.stop = stop
+        self._got: dict[int, list[np.ndarray]] = {}
+        self._error: BaseException | None = None
+        self.callback = ll.ggml_backend_sched_eval_callback(self._on_node)
+
+    def _on_node(self, tensor: Any, ask: bool, user_data: Any) -> bool:
+        try:
+            name = _lib.ggml_get_name(tensor)
+            layer = self.names.get(name)
+            if ask:
+                return layer is not None
+            if layer is None:
+                return True
+            ptr = ctypes.cast(tensor, ctypes.c_void_p).value or 0
+            kind = ctypes.c_int32.from_address(ptr).value
+            ne = (ctypes.c_int64 * 4).from_address(ptr + _NE_OFFSET)
+            if kind != _GGML_TYPE_F32:
+                raise TapError(f"{name.decode()} is not f32 (ggml type {kind})")
+            cols, rows = int(ne[0]), int(ne[1])
+            out = np.empty((rows, cols), dtype=np.float32)
+            if out.nbytes != _lib.ggml_nbytes(tensor):
+                raise TapError(f"{name.decode()} is not a contiguous [rows, n_embd] matrix")
+            _lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+            self._got.setdefault(layer, []).append(out)
+            return not (self.stop and layer == self.last)
+        except BaseException as exc:  # never into C
+            self._error = exc
+            return False
+
+    def reset(self) -> None:
+        self._got = {}
+        self._error = None
+
+    def take(self) -> dict[int, np.ndarray]:
+        """The captures of the last decode, one array per layer (rows in batch order)."""
+        error, got = self._error, self._got
+        self.reset()
+        if error is not None:
+            raise TapError(f"layer capture failed: {error}") from error
+        return {k: v[0] if len(v) == 1 else np.concatenate(v) for k, v in got.items()}

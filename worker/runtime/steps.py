@@ -1,0 +1,58 @@
+"""A forward's parts and results: what jobs hand the runtime and get back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from faults import BadRequest
+
+from ..spec import SamplerSpec
+from .lanes import Session
+
+
+@dataclass
+class Step:
+    """Part of one forward: ``tokens`` appended to ``session``.
+
+    ``sample`` asks for a token sampled after the last one (with ``spec``,
+    or greedy when ``spec`` is None). ``outputs`` ("hidden", "logits")
+    copies those tensors out for the sampled row, or for every row of the
+    step with ``capture_all``. ``embd`` (``[n, n_embd]`` f32) feeds input
+    embeddings instead of token ids; ``tokens`` then holds n placeholders.
+    """
+
+    session: Session
+    tokens: Sequence[int]
+    sample: bool = False
+    spec: SamplerSpec | None = None
+    outputs: tuple[str, ...] = ()
+    all_rows: bool = False  # logits for every token (verify, speculation)
+    top_logprobs: int | None = None  # logprobs of the sampled token (+ top k)
+    grid: bool = False  # a whole grid piece of a prompt prefilled from position 0
+    capture_all: bool = False  # ``outputs`` for every token of the step
+    embd: np.ndarray | None = None
+
+    @property
+    def wants_hidden(self) -> bool:
+        return "hidden" in self.outputs
+
+    @property
+    def group(self) -> tuple[bool, bool]:
+        """Steps of one group share a ``llama_decode``: token ids and input
+        embeddings cannot share a batch, and hidden-state output makes every
+        row of its batch an output row (kept away from other steps' batches)."""
+        return (self.embd is not None, self.wants_hidden)
+
+
+@dataclass
+class StepResult:
+    token: int | None = None
+    logits: np.ndarray | None = None  # [rows, n_vocab] copies (``outputs``)
+    hidden: np.ndarray | None = None  # [rows, n_embd] copies (``outputs``)
+    rows: list[int] | None = None  # batch rows of every token (``all_rows``)
+    logprobs: dict[str, Any] | None = None
+    error: BadRequest | None = None  # this step's sampling failed

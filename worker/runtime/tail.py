@@ -1,0 +1,48 @@
+"""The rest of the model, when this process holds only its first layers.
+
+A pipeline stage that does not hold the model's last layer runs its own
+layers, then hands the hidden rows to a ``Tail`` (the next stage, reached
+over the wire by ``worker.stage.link``) and gets back what the last stage
+sampled. The runtime only sees this protocol; it knows nothing of sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass
+class TailStep:
+    """One step of a forward, as the next stage needs it."""
+
+    session: str
+    tokens: list[int]  # the step's token ids (-1 where fed as embeddings)
+    position: int  # of the first row
+    sample: bool
+    sampling: dict[str, Any] | None  # the wire form of the step's SamplerSpec
+    outputs: tuple[str, ...] = ()
+    capture_all: bool = False
+    top_logprobs: int | None = None
+
+
+@dataclass
+class TailResult:
+    token: int | None = None
+    logprobs: dict[str, Any] | None = None
+    error: str | None = None  # this step's sampling failed (bad_request)
+    parts: dict[str, np.ndarray] = field(default_factory=dict)  # captured rows
+
+
+class Tail(Protocol):
+    """What the runtime asks of the next stage."""
+
+    def forward(self, steps: list[TailStep], hidden: np.ndarray) -> list[TailResult]:
+        """Run the rest of the model over ``hidden`` (rows of ``steps`` in order)."""
+        ...
+
+    def session_op(self, op: str, session: str, token_count: int = 0) -> None:
+        """Repeat a trim / drop downstream so every stage's cells agree."""
+        ...

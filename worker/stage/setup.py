@@ -1,0 +1,77 @@
+"""Turning ``--layers`` / ``--next`` into a stage: its sliced model, its tap, its link.
+
+A stage holding layers ``[LO, HI)``:
+- without ``--next`` it must hold the model's last layer; it loads the slice
+  ``[LO, HI)`` and samples;
+- with ``--next`` it loads ``[LO, HI + 1)`` and taps the output of layer
+  ``HI - 1`` (slice numbering ``HI - LO - 1``), stopping the graph there: the
+  extra layer only keeps the tapped one from being the graph's last (whose
+  rows llama.cpp trims to the rows asked for logits).
+
+Slices are cut once and cached beside the source model (``slicer.cached_slice``).
+Stages use one unified KV cache so llama.cpp keeps a micro-batch's rows in
+batch order (the tap reads them in that order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import WorkerConfig
+from ..models import resolve_model
+from .link import StageLink
+from .slicer import SliceError, cached_slice, model_info, parse_range
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    layers: tuple[int, int]
+    n_layer: int  # of the whole model
+    model_path: Path  # the slice this stage loads
+    tap_layer: int | None  # slice-numbered layer handed to the next stage
+    next: str
+    frame_dtype: str = "f32"
+
+    @property
+    def first(self) -> bool:
+        return self.layers[0] == 0
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "layers": list(self.layers),
+            "n_layer": self.n_layer,
+            "next": self.next or None,
+            "first": self.first,
+            "last": not self.next,
+            "frame_dtype": self.frame_dtype,
+        }
+
+
+def plan_stage(cfg: WorkerConfig) -> StagePlan | None:
+    """The stage ``cfg`` asks for (None: a whole-model worker)."""
+    if not cfg.layers:
+        if cfg.next:
+            raise SystemExit("skiff-worker: --next needs --layers")
+        return None
+    source = resolve_model(cfg.model)
+    try:
+        lo, hi = parse_range(cfg.layers)
+        _, n_layer = model_info(source)
+        if not 0 <= lo < hi <= n_layer:
+            raise SliceError(f"--layers {lo}:{hi} is not a range of the model's {n_layer} layers")
+        if cfg.next and hi == n_layer:
+            raise SliceError("the stage holding the last layer samples: it takes no --next")
+        if not cfg.next and hi != n_layer:
+            raise SliceError(f"a stage without --next must hold the last layer ({n_layer})")
+        load_hi = hi + 1 if cfg.next else hi
+        path = cached_slice(source, lo, load_hi)
+    except SliceError as exc:
+        raise SystemExit(f"skiff-worker: {exc}") from None
+    tap = hi - lo - 1 if cfg.next else None
+    return StagePlan((lo, hi), n_layer, path, tap, cfg.next, cfg.frame_dtype)
+
+
+def link_for(plan: StagePlan) -> StageLink | None:
+    return StageLink(plan.next, frame_dtype=plan.frame_dtype) if plan.next else None

@@ -1,0 +1,231 @@
+"""``skiff-slice``: a stage model holding layers ``[LO, HI)`` of a GGUF.
+
+    skiff-slice MODEL.gguf --layers LO:HI -o OUT.gguf
+    skiff-slice MODEL.gguf --validate LO:HI
+
+A stage model keeps the token embeddings (the first stage embeds tokens; the
+packaged Gemma 3 has no ``output.weight`` — its head is tied to
+``token_embd`` — so a sampling stage needs them too), the output norm and
+head, and blocks ``LO .. HI-1`` renumbered from 0, with ``block_count`` and
+every per-layer metadata array cut to match.
+
+Gemma 3 derives which layers use the sliding window (and their RoPE base)
+from the layer index — dense when ``(il + 1) % 6 == 0`` — so renumbering
+alone moves the dense layers: a split at layer 9 then gives logit errors of
+0.9 to 17 while greedy tokens may still agree. The slice therefore writes
+``{arch}.attention.sliding_window_pattern`` as an explicit per-layer bool
+array (true = sliding window), which llama.cpp reads in preference to the
+derived pattern. The source's sha256 and the range go under ``skiff.stage.*``.
+
+``--validate`` runs the full model and the slice on one prompt, capturing
+every layer's output (``l_out-N``), and names the first layer whose output
+differs (the slice is fed the full model's input to layer LO).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+# Architectures whose per-layer behaviour is known to survive renumbering
+# with the rules above (extend only with a test that compares logits).
+ALLOWED_ARCHS = ("gemma3", "llama")
+_SWA_PATTERN_EVERY = {"gemma3": 6}  # dense layer when (il + 1) % n == 0
+
+
+class SliceError(ValueError):
+    """The model or the range cannot be sliced."""
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    try:
+        lo_s, hi_s = text.split(":")
+        lo, hi = int(lo_s), int(hi_s)
+    except ValueError:
+        raise SliceError(f"a layer range is LO:HI, not {text!r}") from None
+    return lo, hi
+
+
+def model_info(path: Path) -> tuple[str, int]:
+    """(architecture, block count) of a GGUF."""
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    n_layer = int(reader.fields[f"{arch}.block_count"].contents())
+    return arch, n_layer
+
+
+def swa_pattern(arch: str, lo: int, hi: int) -> list[bool] | None:
+    """The sliding-window flag of source layers ``lo .. hi-1`` (None: no SWA)."""
+    every = _SWA_PATTERN_EVERY.get(arch)
+    if every is None:
+        return None
+    return [(il + 1) % every != 0 for il in range(lo, hi)]
+
+
+def slice_model(
+    src: Path, lo: int, hi: int, out: Path, fix_swa: bool = True, sha256: str | None = None
+) -> Path:
+    """Write the stage model of layers ``[lo, hi)`` of ``src`` to ``out``."""
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.fields["general.architecture"].contents())
+    if arch not in ALLOWED_ARCHS:
+        raise SliceError(
+            f"architecture {arch!r} is not on the tested list {list(ALLOWED_ARCHS)}: "
+            "its per-layer behaviour may not survive renumbering"
+        )
+    n_layer = int(reader.fields[f"{arch}.block_count"].contents())
+    if not 0 <= lo < hi <= n_layer:
+        raise SliceError(f"layers {lo}:{hi} are not a range of the model's {n_layer}")
+    count = hi - lo
+    tmp = out.with_suffix(out.suffix + ".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    for field in reader.fields.values():
+        name = field.name
+        if name == "general.architecture" or name.startswith("GGUF.") or name == pattern_key:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value: Any = field.contents()
+        if name == f"{arch}.block_count":
+            value = count
+        elif (
+            name.startswith(f"{arch}.")
+            and vtype == gguf.GGUFValueType.ARRAY
+            and isinstance(value, list)
+            and len(value) == n_layer
+        ):
+            value = value[lo:hi]  # a per-layer array
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    pattern = swa_pattern(arch, lo, hi)
+    if pattern is not None and fix_swa:
+        writer.add_key_value(
+            pattern_key, pattern, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL
+        )
+    writer.add_key_value(
+        "skiff.stage.source_sha256", sha256 or file_sha256(src), gguf.GGUFValueType.STRING
+    )
+    writer.add_key_value("skiff.stage.layer_start", lo, gguf.GGUFValueType.UINT32)
+    writer.add_key_value("skiff.stage.layer_end", hi, gguf.GGUFValueType.UINT32)
+    writer.add_key_value("skiff.stage.source_block_count", n_layer, gguf.GGUFValueType.UINT32)
+    kept: list[tuple[str, Any]] = []
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name.startswith("blk."):
+            il = int(name.split(".")[1])
+            if not lo <= il < hi:
+                continue
+            name = f"blk.{il - lo}." + name.split(".", 2)[2]
+        kept.append((name, tensor))
+    for name, tensor in kept:
+        writer.add_tensor_info(
+            name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, tensor in kept:
+        writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+    writer.close()
+    tmp.replace(out)
+    return out
+
+
+def cached_slice(src: Path, lo: int, hi: int, cache_dir: Path | None = None) -> Path:
+    """The stage model for ``[lo, hi)``, sliced once and kept beside the source
+    (keyed by the source's sha256 and the range)."""
+    sha = file_sha256(src)
+    folder = cache_dir or src.parent
+    out = folder / f"{src.stem}.{sha[:16]}.layers-{lo}-{hi}.gguf"
+    if out.exists() and out.stat().st_size > 0:
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    return slice_model(src, lo, hi, out, sha256=sha)
+
+
+def validate(src: Path, lo: int, hi: int, sliced: Path | None = None, text: str = "") -> str | None:
+    """Compare a slice's layers with the full model's; the first that differs
+    (``None`` when every layer is bit-identical)."""
+    prompt = text or "The lighthouse keeper climbed the stairs every evening, and the sea"
+    full = layer_outputs(str(src), prompt, None, range(max(0, lo - 1), hi))
+    path = sliced or slice_model(src, lo, hi, src.with_suffix(f".validate-{lo}-{hi}.gguf"))
+    feed = full.get(lo - 1) if lo > 0 else None
+    part = layer_outputs(str(path), prompt, feed, range(0, hi - lo))
+    for k in range(hi - lo):
+        a, b = full[lo + k], part[k]
+        if a.shape != b.shape or not np.array_equal(a, b):
+            diff = float(np.max(np.abs(a - b))) if a.shape == b.shape else float("inf")
+            return f"layer {lo + k} (slice layer {k}) differs: max |diff| {diff:.4g}"
+    return None
+
+
+def layer_outputs(
+    model_path: str, prompt: str, feed: np.ndarray | None, layers: Iterable[int]
+) -> dict[int, np.ndarray]:
+    """Every asked layer's output (``l_out-N``, all rows) for one prompt.
+
+    With ``feed`` (``[tokens, n_embd]``) the model takes those rows as input
+    instead of the prompt's tokens (a slice that starts past layer 0).
+    """
+    from ..engine import Engine, EngineConfig, EngineError, Segment  # loads llama.cpp
+
+    engine = Engine(EngineConfig(model_path, n_ctx=2048, n_seq=1, tap_layers=tuple(layers)))
+    try:
+        tokens = engine.tokenize(prompt)
+        if feed is not None:
+            segment = Segment(0, [-1] * len(feed), 0, "all", np.ascontiguousarray(feed))
+        else:
+            segment = Segment(0, tokens, 0, "all")
+        status = engine.decode([segment])
+        if not status.ok:
+            raise EngineError(f"llama_decode: {status.describe()}")
+        return engine.take_taps()
+    finally:
+        engine.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="skiff-slice", description=__doc__.split("\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--layers", help="LO:HI, the stage's layers")
+    ap.add_argument("-o", "--out", type=Path, help="the stage model to write")
+    ap.add_argument("--validate", metavar="LO:HI", help="compare a slice layer by layer")
+    ap.add_argument("--slice", type=Path, help="with --validate: an existing slice to check")
+    ap.add_argument("--no-swa-fix", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        if args.validate:
+            lo, hi = parse_range(args.validate)
+            why = validate(args.model, lo, hi, args.slice)
+            sys.stdout.write(
+                f"{'OK: every layer identical' if why is None else 'DIFFERS: ' + why}\n"
+            )
+            return 0 if why is None else 1
+        if not args.layers or not args.out:
+            ap.error("give --layers LO:HI and -o OUT.gguf, or --validate LO:HI")
+        lo, hi = parse_range(args.layers)
+        slice_model(args.model, lo, hi, args.out, fix_swa=not args.no_swa_fix)
+        sys.stdout.write(f"wrote {args.out} (layers {lo}:{hi})\n")
+        return 0
+    except SliceError as exc:
+        sys.stderr.write(f"skiff-slice: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
