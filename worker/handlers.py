@@ -39,15 +39,7 @@ from .runtime import Ephemeral, RuntimeState, SessionId
 from .scheduler import Scheduler
 from .spec import GrammarChecker, SamplerSpec
 from .speculative import Drafter, DraftModel, PromptLookup
-from .tensor_jobs import (
-    POOLINGS,
-    EmbedJob,
-    ExportStateJob,
-    ImportStateJob,
-    StageForwardJob,
-    StageStep,
-)
-from .ticket import Tensors, Ticket
+from .ticket import Ticket
 from .validate import (
     check_logit_rows,
     check_session,
@@ -296,6 +288,11 @@ def h_iteration_batch(app: App, req: Request) -> dict[str, Any] | None:
 _ephemeral_ids = itertools.count(1)
 
 
+def next_ephemeral() -> Ephemeral:
+    """A fresh id for a throwaway session (sessionless generate, embed)."""
+    return Ephemeral(next(_ephemeral_ids))
+
+
 def _generate_session(req: Request) -> tuple[SessionId, bool]:
     """(session id, named): the request's session, or a fresh ephemeral one.
 
@@ -430,139 +427,6 @@ def h_signal_window(app: App, req: Request) -> dict[str, Any] | None:
     return None
 
 
-def h_embed(app: App, req: Request) -> dict[str, Any] | None:
-    args = req.args
-    has_text, has_tokens = "text" in args, "tokens" in args
-    if has_text == has_tokens:
-        raise BadRequest("give exactly one of text or tokens")
-    limit = app.rt.ctx_per_lane
-    if has_text:
-        text = get_str(args, "text", max_len=limit * 64)
-        tokens = app.engine.tokenize(text, add_special=True)
-        if not tokens or len(tokens) > limit:
-            raise ContextOverflow(f"text is {len(tokens)} tokens; 1..{limit} fit a session")
-    else:
-        tokens = get_prompt_tokens(args, "tokens", app.n_vocab, limit)
-    pooling = args.get("pooling", "mean")
-    if pooling not in POOLINGS:
-        raise BadRequest(f"pooling must be one of {list(POOLINGS)}")
-    if req.session is not None:
-        raise BadRequest("embed is stateless: give no session")
-    session = Ephemeral(next(_ephemeral_ids))
-    app.submit(EmbedJob(app.ticket(req), session, tokens, app.chunk, pooling))
-    return None
-
-
-def h_export_state(app: App, req: Request) -> dict[str, Any] | None:
-    session = get_session(req.session)
-    if app.rt.lanes.get(session) is None and not app.sched.knows_session(session):
-        raise SessionNotActive(f"session {session!r} is not active")
-    app.submit(ExportStateJob(app.ticket(req), [session]))
-    return None
-
-
-def h_import_state(app: App, req: Request) -> dict[str, Any] | None:
-    args = req.args
-    session = get_session(req.session)
-    meta = args.get("session_state")
-    if not isinstance(meta, dict):
-        raise BadRequest("session_state must be a map (export_state's result)")
-    frame = get_frame(args, "frame", req.buffers)
-    if frame.identities != ("kv_state",) or frame.part("kv_state").dtype != "u8":
-        raise BadRequest("frame must carry exactly one u8 part, identity 'kv_state'")
-    kv = frame.array("kv_state").reshape(-1)
-    raw = meta.get("sampler")
-    spec = None
-    if isinstance(raw, dict):
-        spec = get_sampling(
-            {"session_state.sampler.spec": raw.get("spec")},
-            "session_state.sampler.spec",
-            grammars=app.grammars,
-        )
-    app.submit(ImportStateJob(app.ticket(req), session, meta, kv, spec))
-    return None
-
-
-def h_echo(app: App, req: Request) -> dict[str, Any] | None:
-    """Send a request's frame back (frame-path checks and benchmarks)."""
-    frame = get_frame(req.args, "frame", req.buffers)
-    tensors = Tensors(
-        frame.arrays(),
-        list(frame.positions) if frame.positions is not None else None,
-        frame.sequence_count,
-        frame.layer_start,
-        frame.layer_end,
-        axes={p.identity: p.token_axis for p in frame.parts},
-        token_count=frame.token_count,
-        producer_stage=frame.producer_stage,
-    )
-    app.ticket(req).reply({}, tensors)
-    return None
-
-
-def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
-    """Stage to stage: run this stage's layers over an upstream stage's rows."""
-    args = req.args
-    frame = get_frame(args, "input", req.buffers)
-    n_embd = app.engine.n_embd
-    if frame.identities != ("hidden",):
-        raise BadRequest("input must carry exactly one part, identity 'hidden'")
-    part = frame.part("hidden")
-    shape_ok = len(part.dims) == 2 and part.dims[1] == n_embd and part.token_axis == 0
-    if part.dtype not in ("f32", "f16") or not shape_ok:
-        raise BadRequest(f"input.hidden must be f32 or f16 [tokens, {n_embd}], token_axis 0")
-    rows = frame.array("hidden")
-    if part.dtype == "f16":
-        rows = rows.astype(np.float32)  # the engine takes f32 rows
-    raw = args.get("steps")
-    if not isinstance(raw, list) or not 0 < len(raw) <= app.rt.lanes.n_lanes:
-        raise BadRequest(f"steps must be a list of 1..{app.rt.lanes.n_lanes} maps")
-    steps: list[StageStep] = []
-    seen: set[str] = set()
-    row = 0
-    for i, entry in enumerate(raw):
-        if not isinstance(entry, dict):
-            raise BadRequest(f"steps[{i}] must be a map")
-        sid = check_session(entry.get("session"), f"steps[{i}].session")
-        if sid in seen:
-            raise BadRequest(f"steps[{i}].session {sid!r} appears twice")
-        seen.add(sid)
-        tokens = entry.get("tokens")
-        if (
-            not isinstance(tokens, list)
-            or not tokens
-            or not all(type(t) is int and -1 <= t < app.n_vocab for t in tokens)
-        ):
-            raise BadRequest(f"steps[{i}].tokens must be token ids (-1: fed as embeddings)")
-        position = get_int(entry, "position", lo=0, hi=app.rt.ctx_per_lane)
-        top = entry.get("top_logprobs")
-        if top is not None and (type(top) is not int or not 0 <= top <= 20):
-            raise BadRequest(f"steps[{i}].top_logprobs must be 0..20 or null")
-        outputs = get_outputs({"output": entry.get("output") or None})
-        spec = get_sampling(entry, "sampling", grammars=app.grammars)
-        n = len(tokens)
-        steps.append(
-            StageStep(
-                sid,
-                tokens,
-                position,
-                get_bool(entry, "sample", False),
-                spec,
-                outputs,
-                get_bool(entry, "capture_all", False),
-                top,
-                rows[row : row + n],
-            )
-        )
-        row += n
-    if row != len(rows):
-        raise BadRequest(f"steps carry {row} tokens but input.hidden has {len(rows)} rows")
-    if row > app.cfg.budget:
-        raise BadRequest(f"forward_frame carries {row} rows; one forward takes {app.cfg.budget}")
-    app.submit(StageForwardJob(app.ticket(req), steps))
-    return None
-
-
 def h_cancel(app: App, req: Request) -> dict[str, Any] | None:
     target = get_int(req.args, "id")
     return {"cancelled": app.sched.cancel(req.peer, target)}
@@ -588,9 +452,4 @@ HANDLERS: dict[str, Handler] = {
     Op.VERIFY: h_verify,
     Op.SIGNAL: h_signal,
     Op.SIGNAL_WINDOW: h_signal_window,
-    Op.EMBED: h_embed,
-    Op.EXPORT_STATE: h_export_state,
-    Op.IMPORT_STATE: h_import_state,
-    Op.ECHO: h_echo,
-    Op.FORWARD_FRAME: h_forward_frame,
 }

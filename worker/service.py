@@ -32,6 +32,7 @@ from .scheduler import Scheduler, SchedulerConfig
 from .spec import GrammarChecker
 from .speculative import DraftModel
 from .stage.setup import StagePlan, link_for
+from .tensor_handlers import TENSOR_HANDLERS
 from .ticket import Event, Failure, Outbox, Output, Tensors, Ticket
 
 _log = get_logger("skiff.worker")
@@ -82,7 +83,7 @@ class LlmService:
         self.outbox = Outbox()
         self._handlers: dict[str, Handler] = {
             op: functools.partial(fn, self) if allowed(op, stage) else _refuse(op, stage)
-            for op, fn in HANDLERS.items()
+            for op, fn in {**HANDLERS, **TENSOR_HANDLERS}.items()
         }
         self.requests = 0
 
