@@ -172,23 +172,25 @@ def h_decode(app: App, req: Request) -> dict[str, Any] | None:
     return None
 
 
-def _entries_list(app: App, args: dict[str, Any]) -> list[dict[str, Any]]:
-    requests = args.get("requests")
-    if not isinstance(requests, list) or not requests:
-        raise BadRequest("requests must be a non-empty list")
-    if len(requests) > app.rt.lanes.n_lanes:
+def session_entries(app: App, args: dict[str, Any], key: str = "requests") -> list[dict[str, Any]]:
+    """``args[key]``: a non-empty list of maps, one per distinct session, at
+    most one per lane (multi-session ops: batches, ``forward_frame``)."""
+    entries = args.get(key)
+    if not isinstance(entries, list) or not entries:
+        raise BadRequest(f"{key} must be a non-empty list")
+    if len(entries) > app.rt.lanes.n_lanes:
         raise BadRequest(
-            f"requests has {len(requests)} entries; there are {app.rt.lanes.n_lanes} lanes"
+            f"{key} has {len(entries)} entries; there are {app.rt.lanes.n_lanes} lanes"
         )
     seen: set[str] = set()
-    for i, entry in enumerate(requests):
+    for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
-            raise BadRequest(f"requests[{i}] must be a map")
-        sid = check_session(entry.get("session"), f"requests[{i}].session")
+            raise BadRequest(f"{key}[{i}] must be a map")
+        sid = check_session(entry.get("session"), f"{key}[{i}].session")
         if sid in seen:
-            raise BadRequest(f"requests[{i}].session {sid!r} appears twice")
+            raise BadRequest(f"{key}[{i}].session {sid!r} appears twice")
         seen.add(sid)
-    return requests
+    return entries
 
 
 def h_verify(app: App, req: Request) -> dict[str, Any] | None:
@@ -247,7 +249,7 @@ def h_decode_batch(app: App, req: Request) -> dict[str, Any] | None:
             True,
             _sampling(app, entry),
         )
-        for i, entry in enumerate(_entries_list(app, args))
+        for i, entry in enumerate(session_entries(app, args))
     ]
     outputs = get_outputs(args)
     app.submit(AtomicBatchJob(app.ticket(req), entries, "decode_batch", outputs=outputs))
@@ -259,7 +261,7 @@ def h_iteration_batch(app: App, req: Request) -> dict[str, Any] | None:
     budget = app.cfg.budget
     entries: list[BatchEntry] = []
     starts: dict[int, int] = {}
-    for i, entry in enumerate(_entries_list(app, args)):
+    for i, entry in enumerate(session_entries(app, args)):
         tokens = get_tokens(entry, "tokens", app.n_vocab, max_len=budget)
         phase = entry.get("phase", "decode" if len(tokens) == 1 else "prefill")
         if phase not in ("prefill", "decode"):

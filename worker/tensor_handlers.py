@@ -16,7 +16,7 @@ from edge import Request
 from faults import BadRequest, ContextOverflow, SessionNotActive
 from protocol.envelope import Op
 
-from .handlers import App, Handler, next_ephemeral
+from .handlers import App, Handler, next_ephemeral, session_entries
 from .tensor_jobs import (
     POOLINGS,
     EmbedJob,
@@ -27,7 +27,6 @@ from .tensor_jobs import (
 )
 from .ticket import Tensors
 from .validate import (
-    check_session,
     get_bool,
     get_frame,
     get_int,
@@ -123,19 +122,10 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
     rows = frame.array("hidden")
     if part.dtype == "f16":
         rows = rows.astype(np.float32)  # the engine takes f32 rows
-    raw = args.get("steps")
-    if not isinstance(raw, list) or not 0 < len(raw) <= app.rt.lanes.n_lanes:
-        raise BadRequest(f"steps must be a list of 1..{app.rt.lanes.n_lanes} maps")
     steps: list[StageStep] = []
-    seen: set[str] = set()
     row = 0
-    for i, entry in enumerate(raw):
-        if not isinstance(entry, dict):
-            raise BadRequest(f"steps[{i}] must be a map")
-        sid = check_session(entry.get("session"), f"steps[{i}].session")
-        if sid in seen:
-            raise BadRequest(f"steps[{i}].session {sid!r} appears twice")
-        seen.add(sid)
+    for i, entry in enumerate(session_entries(app, args, "steps")):
+        sid = entry["session"]
         tokens = entry.get("tokens")
         if (
             not isinstance(tokens, list)
