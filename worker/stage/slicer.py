@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -163,9 +164,13 @@ def validate(src: Path, lo: int, hi: int, sliced: Path | None = None, text: str 
     (``None`` when every layer is bit-identical)."""
     prompt = text or "The lighthouse keeper climbed the stairs every evening, and the sea"
     full = layer_outputs(str(src), prompt, None, range(max(0, lo - 1), hi))
-    path = sliced or slice_model(src, lo, hi, src.with_suffix(f".validate-{lo}-{hi}.gguf"))
     feed = full.get(lo - 1) if lo > 0 else None
-    part = layer_outputs(str(path), prompt, feed, range(0, hi - lo))
+    if sliced is None:
+        with tempfile.TemporaryDirectory(prefix="skiff-validate-") as tmp:
+            path = slice_model(src, lo, hi, Path(tmp) / "slice.gguf")
+            part = layer_outputs(str(path), prompt, feed, range(0, hi - lo))
+    else:
+        part = layer_outputs(str(sliced), prompt, feed, range(0, hi - lo))
     for k in range(hi - lo):
         a, b = full[lo + k], part[k]
         if a.shape != b.shape or not np.array_equal(a, b):
