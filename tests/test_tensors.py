@@ -290,3 +290,29 @@ def test_import_across_lane_counts_and_refusal_when_it_cannot_fit(
             assert c.stats()["lanes"]["active"] == 1
     finally:
         stop_worker(proc)
+
+
+def test_batch_ops_return_one_row_per_sampled_entry(client: Client) -> None:
+    a, b = client.tokenize(PROMPT), client.tokenize("Once upon a time")
+    ta = client.prefill_sampled("ba", a)["token"]
+    tb = client.prefill_sampled("bb", b)["token"]
+    reply = client.decode_batch(
+        [{"session": "ba", "token": ta}, {"session": "bb", "token": tb}], output=["hidden"]
+    )
+    frame = reply.frame
+    assert frame.array("hidden").shape == (2, client.info()["model"]["n_embd"])
+    assert frame.sequence_count == 2 and frame.positions == (len(a), len(b))
+    reply = client.call(
+        "iteration_batch",
+        None,
+        {
+            "requests": [
+                {"session": "ba", "tokens": [reply.result["tokens"][0]]},
+                {"session": "bb", "tokens": [5, 6, 7], "phase": "prefill"},
+            ],
+            "output": ["logits"],
+        },
+    )
+    logits = reply.frame.array("logits")
+    assert logits.shape[0] == 1  # only the decode entry samples
+    assert int(np.argmax(logits[0])) == reply.result["samples"][0]["token"]
