@@ -11,8 +11,9 @@ import pytest
 from edge.memory import TUNABLE
 
 CODE = (
-    "from edge.memory import reexec_with_tunables; reexec_with_tunables(); "
-    "import os; print(os.environ.get('GLIBC_TUNABLES', ''))"
+    "from edge.memory import reexec_with_tunables; "
+    "reexec_with_tunables({'SKIFF_TEST_EXTRA': 'x'}); "
+    "import os; print(os.environ.get('GLIBC_TUNABLES', ''), os.environ.get('SKIFF_TEST_EXTRA'))"
 )
 
 
@@ -26,10 +27,11 @@ def _run(env: dict[str, str]) -> str:
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc tunables are Linux-only")
 def test_process_restarts_once_with_the_tunable() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "SKIFF_NO_REEXEC")}
-    assert _run(env) == TUNABLE
-    # an operator's own tunables are kept
+    assert _run(env) == f"{TUNABLE} x"
+    # an operator's own tunables and settings are kept
     assert _run({**env, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == (
-        f"glibc.malloc.arena_max=2:{TUNABLE}"
+        f"glibc.malloc.arena_max=2:{TUNABLE} x"
     )
+    assert _run({**env, "SKIFF_TEST_EXTRA": "mine"}) == f"{TUNABLE} mine"
     # and the opt-out is honoured
-    assert _run({**env, "SKIFF_NO_REEXEC": "1"}) == ""
+    assert _run({**env, "SKIFF_NO_REEXEC": "1"}) == "None"  # (stdout is stripped)

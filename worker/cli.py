@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import sys
@@ -19,6 +20,10 @@ from .runtime import DraftRuntime
 from .service import LlmService
 from .speculative import DraftModel
 from .stage.setup import StagePlan, plan_stage
+
+# Stages share the cores with their neighbours: OpenMP threads must not spin
+# after a forward (see edge/memory.py for the measurement).
+STAGE_ENV = {"GOMP_SPINCOUNT": "1000"}
 
 
 def build_engine(
@@ -62,7 +67,8 @@ def raise_fd_limit() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a real process, not a call from Python
-        reexec_with_tunables()
+        is_stage = "--layers" in sys.argv[1:] or bool(os.environ.get("SKIFF_LAYERS"))
+        reexec_with_tunables(STAGE_ENV if is_stage else None)
     cfg = config.parse(argv)
     raise_fd_limit()
     logs.configure(cfg.log_format, cfg.log_level)
