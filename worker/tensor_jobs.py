@@ -8,6 +8,7 @@ session's KV cells out of or into llama.cpp (``runtime.portable``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -103,42 +104,19 @@ class ImportStateJob(Job):
         return True
 
 
+@dataclass(slots=True)
 class StageStep:
     """One step of a ``forward_frame`` request, validated by the handler."""
 
-    __slots__ = (
-        "capture_all",
-        "outputs",
-        "position",
-        "rows",
-        "sample",
-        "session",
-        "spec",
-        "tokens",
-        "top_logprobs",
-    )
-
-    def __init__(
-        self,
-        session: str,
-        tokens: list[int],
-        position: int,
-        sample: bool,
-        spec: SamplerSpec | None,
-        outputs: tuple[str, ...],
-        capture_all: bool,
-        top_logprobs: int | None,
-        rows: np.ndarray,
-    ) -> None:
-        self.session = session
-        self.tokens = tokens
-        self.position = position
-        self.sample = sample
-        self.spec = spec
-        self.outputs = outputs
-        self.capture_all = capture_all
-        self.top_logprobs = top_logprobs
-        self.rows = rows
+    session: str
+    tokens: list[int]
+    position: int
+    sample: bool
+    spec: SamplerSpec | None
+    outputs: tuple[str, ...]
+    capture_all: bool
+    top_logprobs: int | None
+    rows: np.ndarray
 
 
 class StageForwardJob(Job):
