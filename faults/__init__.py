@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     UNSUPPORTED = "unsupported"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     STAGE_UNAVAILABLE = "stage_unavailable"
+    WORKER_UNAVAILABLE = "worker_unavailable"
     INTERNAL = "internal"
 
 
@@ -112,6 +113,12 @@ class StageUnavailable(Fault):
     code = ErrorCode.STAGE_UNAVAILABLE
 
 
+class WorkerUnavailable(Fault):
+    """The gateway has no live worker for this request, or the one holding it died."""
+
+    code = ErrorCode.WORKER_UNAVAILABLE
+
+
 class Internal(Fault):
     """An invariant broke (a bug) or the engine failed; the session may be reset."""
 
@@ -146,6 +153,7 @@ _BY_CODE: dict[str, type[Fault]] = {
         LimitExceeded,
         Unsupported,
         StageUnavailable,
+        WorkerUnavailable,
         Internal,
     )
 }
@@ -180,6 +188,7 @@ __all__ = [
     "UnknownOp",
     "Unsupported",
     "UnsupportedVersion",
+    "WorkerUnavailable",
     "code_of",
     "from_code",
 ]

@@ -1,0 +1,1 @@
+"""skiff-gateway: one front door (ZeroMQ and HTTP) over many workers."""
