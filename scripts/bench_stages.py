@@ -4,7 +4,12 @@
     .venv/bin/python scripts/bench_stages.py [--tokens 64] [--frame-dtype f32|f16]
 
 Printed, all from one run:
-- aggregate tok/s of ``generate`` at concurrency 1 and 8, chain vs one worker;
+- aggregate tok/s of ``generate`` at concurrency 1 and 8, chain vs one worker,
+  and the chain again with pipelining off (``--chain-credit 1``: stage 0
+  waits for each forward to come home) beside the default (credit 2);
+- a staggered workload (a new prompt every ``--gap-ms`` while others
+  decode), where pipelining lets stage 0 prefill one prompt while stage 1
+  decodes the others;
 - per-hop latency: the extra time a greedy decode step takes through the
   chain, over the one worker's step (one hop: stage 0 -> stage 1 and back);
 - bytes per token on the wire between the stages (hidden rows: 4 x n_embd in
@@ -73,6 +78,34 @@ def throughput(endpoint: str, concurrency: int, max_tokens: int) -> float:
     return sum(done) / (time.perf_counter() - t0)
 
 
+def staggered(endpoint: str, streams: int, max_tokens: int, gap_ms: int) -> float:
+    """Aggregate tok/s of ``streams`` generations started ``gap_ms`` apart."""
+    done = [0] * streams
+
+    def one(i: int) -> None:
+        time.sleep(i * gap_ms / 1000)
+        with Client(endpoint, timeout_ms=300_000) as c:
+            r = c.call(
+                "generate",
+                None,
+                {
+                    "prompt": PROMPTS[i % len(PROMPTS)] * 4,
+                    "max_tokens": max_tokens,
+                    "stream": False,
+                    "ignore_eos": True,
+                },
+            )
+            done[i] = len(r.result["tokens"])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - t0)
+
+
 def step_ms(endpoint: str, steps: int = 32) -> tuple[float, list[int], np.ndarray]:
     """Median ms of one greedy decode, its tokens, and each step's logits."""
     with Client(endpoint, timeout_ms=300_000) as c:
@@ -122,6 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per generate")
     ap.add_argument("--frame-dtype", choices=("f32", "f16"), default="f32")
+    ap.add_argument("--gap-ms", type=int, default=150, help="staggered workload: arrival gap")
     args = ap.parse_args()
     common = ("--lanes", "8", "--ctx", "16384")
     with tempfile.TemporaryDirectory(prefix="skiff-stages-") as tmp_s:
@@ -144,6 +178,23 @@ def main() -> None:
                 args.frame_dtype,
             )
             procs.append(s0)
+            # the same chain with pipelining off, for the same-run comparison
+            t1, t1_ep = start(tmp, "t1", *common, "--layers", "9:18")
+            procs.append(t1)
+            t0, t0_ep = start(
+                tmp,
+                "t0",
+                *common,
+                "--layers",
+                "0:9",
+                "--next",
+                t1_ep,
+                "--chain-credit",
+                "1",
+                "--frame-dtype",
+                args.frame_dtype,
+            )
+            procs.append(t0)
             with Client(full_ep) as c:
                 n_embd = c.info()["model"]["n_embd"]
             ms_full, tok_full, log_full = step_ms(full_ep)
@@ -173,10 +224,20 @@ def main() -> None:
             for conc in (1, 8):
                 a = throughput(full_ep, conc, args.tokens)
                 b = throughput(s0_ep, conc, args.tokens)
+                c1 = throughput(t0_ep, conc, args.tokens)
                 print(
                     f"  generate c={conc}: chain {b:.1f} tok/s | one worker {a:.1f} tok/s | "
-                    f"ratio {b / a:.2f}"
+                    f"ratio {b / a:.2f} | chain without pipelining {c1:.1f} tok/s "
+                    f"(ratio {c1 / a:.2f})"
                 )
+            a = staggered(full_ep, 8, args.tokens, args.gap_ms)
+            b = staggered(s0_ep, 8, args.tokens, args.gap_ms)
+            c1 = staggered(t0_ep, 8, args.tokens, args.gap_ms)
+            print(
+                f"  staggered 8 x {args.tokens} tokens, {args.gap_ms} ms apart: chain {b:.1f} "
+                f"tok/s | one worker {a:.1f} | ratio {b / a:.2f} | without pipelining "
+                f"{c1:.1f} (ratio {c1 / a:.2f})"
+            )
         finally:
             for p in procs:
                 p.terminate()

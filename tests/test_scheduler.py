@@ -29,7 +29,7 @@ from faults import (
 )
 from worker.generate import GenerateJob
 from worker.jobs import AtomicBatchJob, BatchEntry, DecodeJob, Job, PrefillJob, SessionOpJob
-from worker.runtime import Ephemeral, LanePool, Session, SessionId, Step, StepResult
+from worker.runtime import Ephemeral, Flight, LanePool, Session, SessionId, Step, StepResult
 from worker.scheduler import Scheduler, SchedulerConfig, TurnClock
 from worker.spec import SamplerSpec
 from worker.ticket import Event, Failure, Outbox, Output, Result, Ticket
@@ -73,6 +73,8 @@ class Row:
 
 class FakeRuntime:
     """What Scheduler and the jobs call on ``RuntimeState``, without llama.cpp."""
+
+    chained = False  # a whole model: every forward is synchronous
 
     def __init__(self, n_lanes: int, ctx_per_lane: int = 256) -> None:
         self.engine = FakeEngine()
@@ -159,13 +161,47 @@ class FakeRuntime:
         return [i for i, call in enumerate(self.calls) if any(r.session == session for r in call)]
 
 
+class FakeChainRuntime(FakeRuntime):
+    """A pipeline stage: ``launch`` runs the forward but holds its results
+    back (the rest of the chain computing) until the test ``deliver``s."""
+
+    chained = True
+
+    def __init__(self, n_lanes: int, ctx_per_lane: int = 256) -> None:
+        super().__init__(n_lanes, ctx_per_lane)
+        self.out: list[Flight] = []  # launched, not landed
+        self.home: list[Flight] = []  # delivered, landing at the next poll
+        self.land_waits: list[int] = []
+
+    def launch(self, steps: Sequence[Step]) -> Flight:
+        flight = Flight(list(steps))
+        flight.results = self.forward(steps)
+        self.out.append(flight)
+        return flight
+
+    def deliver(self, index: int = 0, fault: EngineFault | None = None) -> None:
+        flight = self.out.pop(index)
+        flight.fault = fault
+        self.home.append(flight)
+
+    def land(self, timeout_ms: int) -> list[Flight]:
+        self.land_waits.append(timeout_ms)
+        home, self.home = self.home, []
+        return home
+
+
 class Harness:
     """A scheduler over a fake runtime, with job builders and collected outputs."""
 
     def __init__(
-        self, lanes: int = 2, ctx: int = 256, prefill_chunk: int = 128, **cfg: float
+        self,
+        lanes: int = 2,
+        ctx: int = 256,
+        prefill_chunk: int = 128,
+        chained: bool = False,
+        **cfg: float,
     ) -> None:
-        self.rt = FakeRuntime(lanes, ctx)
+        self.rt = (FakeChainRuntime if chained else FakeRuntime)(lanes, ctx)
         self.cfg = SchedulerConfig(**cfg)  # type: ignore[arg-type]
         self.sched = Scheduler(self.rt, self.cfg)  # type: ignore[arg-type]
         self.chunk = min(prefill_chunk, self.cfg.max_batch_tokens)  # as the service
@@ -210,7 +246,7 @@ class Harness:
         return PrefillJob(self.ticket("prefill"), session, tokens, self.chunk, sampled, None)
 
     def decode(self, session: str, owner: bytes = PEER) -> DecodeJob:
-        return DecodeJob(self.ticket("decode", owner), session, 7, None, False)
+        return DecodeJob(self.ticket("decode", owner), session, 7, None)
 
     def batch(self, sizes: dict[str, int]) -> AtomicBatchJob:
         """An atomic batch: ``sizes[session]`` tokens per session, last one sampled."""
@@ -228,6 +264,17 @@ class Harness:
         for _ in range(limit):
             if not self.sched.has_work():
                 return
+            self.turn()
+        raise AssertionError(f"scheduler still has work after {limit} turns")
+
+    def run_chain(self, limit: int = 200) -> None:
+        """Like ``run``, landing every launched forward at once."""
+        assert isinstance(self.rt, FakeChainRuntime)
+        for _ in range(limit):
+            if not self.sched.has_work():
+                return
+            while self.rt.out:
+                self.rt.deliver(0)
             self.turn()
         raise AssertionError(f"scheduler still has work after {limit} turns")
 
@@ -751,3 +798,73 @@ def test_prefill_is_cut_to_the_time_left_while_streams_decode() -> None:
     h.submit(h.prefill("p", 100))
     h.turn()
     assert [len(r.tokens) for r in h.rt.calls[0]] == [100]
+
+
+# -- a pipeline stage: forwards in flight down the chain ------------------------
+
+
+def chain_harness(lanes: int = 3, credit: int = 2) -> tuple[Harness, FakeChainRuntime]:
+    h = Harness(lanes=lanes, chained=True, chain_credit=credit)
+    assert isinstance(h.rt, FakeChainRuntime)
+    return h, h.rt
+
+
+def test_stage_launches_other_jobs_while_a_forward_is_down_the_chain() -> None:
+    h, rt = chain_harness()
+    a = h.submit(h.generate(max_tokens=5))
+    h.turn()
+    b = h.submit(h.generate(max_tokens=5))
+    h.turn()
+    # a is in flight: the second launch holds b alone instead of waiting for a
+    assert [h.rt.sessions_of(i) for i in range(2)] == [[h.session(a)], [h.session(b)]]
+    assert h.tokens(a) == [] and h.tokens(b) == []
+    rt.deliver(0)
+    h.turn()  # a lands (its first token goes out) and its next step launches
+    assert len(h.tokens(a)) == 1 and h.tokens(b) == []
+    assert h.rt.sessions_of(2) == [h.session(a)]
+
+
+def test_stage_never_has_more_forwards_in_flight_than_its_credit() -> None:
+    h, rt = chain_harness(credit=2)
+    jobs = [h.submit(h.generate(max_tokens=5)) for _ in range(3)]
+    h.turn()  # all three start together: one launch
+    assert len(rt.out) == 1 and len(rt.calls[0]) == 3
+    h.turn()  # every job is in flight: nothing to launch, the stage waits
+    assert len(rt.out) == 1 and rt.land_waits[-1] > 0
+    h2, rt2 = chain_harness(credit=2)
+    for _ in range(3):
+        h2.submit(h2.generate(max_tokens=5))
+        h2.turn()
+    assert len(rt2.out) == 2  # the third waits for credit
+    assert rt2.land_waits[-1] > 0
+    rt2.deliver(0)
+    h2.turn()
+    assert len(rt2.out) == 2 and not any(h.out(j) for j in jobs)
+
+
+def test_a_failed_flight_fails_its_jobs_only() -> None:
+    h, rt = chain_harness()
+    a = h.submit(h.generate(max_tokens=5))
+    h.turn()
+    b = h.submit(h.generate(max_tokens=5))
+    h.turn()
+    rt.deliver(0, EngineFault("next stage: gone", {}))
+    h.turn()
+    assert isinstance(h.error(a), EngineFault)
+    assert h.out(b) == [] and h.sched.active == [b]
+    rt.deliver(0)
+    h.run_chain()
+    assert len(h.tokens(b)) == 5 and h.done(b)["finish_reason"] == "length"
+
+
+def test_cancel_of_a_job_in_flight_waits_for_its_forward_to_land() -> None:
+    h, rt = chain_harness()
+    job = h.submit(h.generate(max_tokens=50))
+    h.turn()
+    assert h.sched.cancel(PEER, job.ticket.id)
+    h.turn()
+    assert h.out(job) == [] and h.sched.active == [job]  # its rows are still downstream
+    rt.deliver(0)
+    h.turn()
+    assert h.done(job)["finish_reason"] == "cancelled"
+    assert not h.sched.has_work() and rt.out == []

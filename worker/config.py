@@ -43,6 +43,9 @@ class WorkerConfig:
     layers: str = ""  # "LO:HI": serve only these layers (a pipeline stage); "" = all
     next: str = ""  # the next stage's endpoint (a stage without the last layer)
     frame_dtype: str = "f32"  # hidden rows sent to the next stage: f32 (exact) or f16
+    chain_credit: int = 2  # forwards a stage keeps in flight down the chain (1 = no pipelining)
+    metrics_port: int = 0  # Prometheus text on http://metrics_host:PORT/metrics; 0 = off
+    metrics_host: str = "0.0.0.0"
 
     @property
     def n_threads(self) -> int:
@@ -99,6 +102,13 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("layers", str, "LO:HI: serve only these layers, as one pipeline stage; empty = all"),
     ("next", str, "endpoint of the next stage (every stage but the last has one)"),
     ("frame-dtype", str, "hidden rows to the next stage: f32 (exact) or f16 (half the bytes)"),
+    (
+        "chain-credit",
+        int,
+        "forwards a stage keeps in flight down the chain (pipelining); 1 = wait for each",
+    ),
+    ("metrics-port", int, "serve Prometheus metrics on this HTTP port (/metrics); 0 = off"),
+    ("metrics-host", str, "address the metrics port binds"),
     ("log-format", str, "log rendering: auto (console on a TTY, else json), json, console"),
     ("log-level", str, "debug, info, warning, error"),
     ("chat-template", str, "Jinja chat template file for chat; empty = the model's or Gemma-turn"),
@@ -142,8 +152,18 @@ def build_parser(prog: str = "skiff-worker") -> argparse.ArgumentParser:
 def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
     ns = build_parser().parse_args(argv)
     cfg = WorkerConfig(**{k: v for k, v in vars(ns).items()})
-    if cfg.lanes < 1 or cfg.ctx < cfg.lanes or cfg.batch < 1 or cfg.prefill_chunk < 1:
-        raise SystemExit("skiff-worker: lanes, ctx, batch and prefill-chunk must be positive")
+    if (
+        cfg.lanes < 1
+        or cfg.ctx < cfg.lanes
+        or cfg.batch < 1
+        or cfg.prefill_chunk < 1
+        or cfg.chain_credit < 1
+    ):
+        raise SystemExit(
+            "skiff-worker: lanes, ctx, batch, prefill-chunk and chain-credit must be positive"
+        )
+    if not 0 <= cfg.metrics_port <= 65535:
+        raise SystemExit("skiff-worker: --metrics-port must be in 0..65535 (0 = off)")
     if cfg.chat_template and not os.path.isfile(cfg.chat_template):
         raise SystemExit(f"skiff-worker: --chat-template {cfg.chat_template}: no such file")
     return cfg

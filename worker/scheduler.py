@@ -34,10 +34,20 @@ from structlog import get_logger
 from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
 
 from .jobs import MIN_CUT, PHASE_ATOMIC, PHASE_DECODE, Job
-from .runtime import RuntimeState, SessionId, Step
+from .runtime import Flight, RuntimeState, SessionId, Step, StepResult
 from .stats import SchedulerStats
 
 _log = get_logger("skiff.scheduler")
+_LAND_WAIT_MS = (
+    20  # a stage with nothing to plan waits this long for the chain, then serves its socket
+)
+
+
+@dataclass
+class _Flying:
+    flight: Flight
+    owners: list[tuple[Job, int]]
+    started: float
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class SchedulerConfig:
     max_queue: int = 64
     admission_timeout_ms: int = 60_000
     cadence: float = 0.0  # a turn with streams decoding lasts at most this x a decode turn; 0 = off
+    chain_credit: int = 2  # a pipeline stage's forwards in flight down the chain at once
 
 
 class TurnClock:
@@ -87,6 +98,8 @@ class Scheduler:
         self._turn = 0
         self._boost: Job | None = None  # atomic job that missed the last turn
         self.clock = TurnClock()
+        self.flying: list[_Flying] = []  # a pipeline stage's forwards down the chain
+        self._flying_jobs: set[Job] = set()
 
     # -- intake ------------------------------------------------------------
 
@@ -137,13 +150,23 @@ class Scheduler:
     # -- one turn ------------------------------------------------------------
 
     def turn(self) -> None:
-        """Advance the world by at most one forward."""
+        """Advance the world by at most one forward (or one launch down the chain)."""
         self._turn += 1
+        if self.flying:
+            self._land(0)
         now = time.monotonic()
         self._reap(now)
         self._start_pending(now)
+        if len(self.flying) >= max(1, self.cfg.chain_credit):
+            self._land(_LAND_WAIT_MS)  # out of credit: wait for the chain
+            return
         steps, owners = self._plan()
         if not steps:
+            if self.flying:
+                self._land(_LAND_WAIT_MS)
+            return
+        if self.rt.chained:
+            self._launch(steps, owners)
             return
         started = time.perf_counter()
         try:
@@ -154,11 +177,16 @@ class Scheduler:
                 self._finish(job, exc)
             return
         finally:
-            seconds = time.perf_counter() - started
-            self.stats.record_forward(steps, seconds)
-            decode_rows = sum(1 for s in steps if len(s.tokens) == 1 or s.all_rows)
-            prefill = sum(len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows)
-            self.clock.record(decode_rows, prefill, seconds * 1000)
+            self._record(steps, time.perf_counter() - started)
+        self._complete(owners, results)
+
+    def _record(self, steps: list[Step], seconds: float) -> None:
+        self.stats.record_forward(steps, seconds)
+        decode_rows = sum(1 for s in steps if len(s.tokens) == 1 or s.all_rows)
+        prefill = sum(len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows)
+        self.clock.record(decode_rows, prefill, seconds * 1000)
+
+    def _complete(self, owners: list[tuple[Job, int]], results: list[StepResult]) -> None:
         offset = 0
         for job, count in owners:
             part = results[offset : offset + count]
@@ -179,6 +207,34 @@ class Scheduler:
             if finished:
                 self._finish(job, None)
 
+    # -- a pipeline stage: forwards in flight down the chain ----------------------
+
+    def _launch(self, steps: list[Step], owners: list[tuple[Job, int]]) -> None:
+        """Send the turn's forward down the chain and go on: its jobs sit out
+        planning (and reaping) until it lands, other jobs keep running."""
+        try:
+            flight = self.rt.launch(steps)
+        except Fault as exc:
+            _log.error("forward_failed", error=str(exc), jobs=len(owners))
+            for job, _ in owners:
+                self._finish(job, exc)
+            return
+        self.flying.append(_Flying(flight, owners, time.perf_counter()))
+        self._flying_jobs.update(job for job, _ in owners)
+
+    def _land(self, timeout_ms: int) -> None:
+        for flight in self.rt.land(timeout_ms):
+            flying = next(f for f in self.flying if f.flight is flight)
+            self.flying.remove(flying)
+            self._flying_jobs.difference_update(job for job, _ in flying.owners)
+            self._record(flight.steps, time.perf_counter() - flying.started)
+            if flight.fault is not None:
+                _log.error("forward_failed", error=str(flight.fault), jobs=len(flying.owners))
+                for job, _ in flying.owners:
+                    self._finish(job, flight.fault)
+                continue
+            self._complete(flying.owners, flight.results)
+
     def _reap(self, now: float) -> None:
         """Apply cancels, dead peers and deadlines to queued and running jobs."""
         for job in list(self.pending):
@@ -189,6 +245,8 @@ class Scheduler:
                 job.fail(self.rt, reason)
                 job.release(self.rt)
         for job in list(self.active):
+            if job in self._flying_jobs:
+                continue  # reaped once its forward lands
             reason = self._stop_reason(job, now, queued=False)
             if reason is None:
                 continue
@@ -266,9 +324,10 @@ class Scheduler:
         # its compute graph when consecutive batches have the same layout, and
         # a reshuffled batch measured ~35% slower per token. Prefill chunks
         # rotate instead, so no prompt is always last in line for the budget.
-        stable = sorted(self.active, key=self._first_lane)
-        rotated = self._rotated([j for j in self.active if j.phase > PHASE_ATOMIC])
-        boosted = self._boost if self._boost in self.active else None
+        ready = [j for j in self.active if j not in self._flying_jobs]
+        stable = sorted(ready, key=self._first_lane)
+        rotated = self._rotated([j for j in ready if j.phase > PHASE_ATOMIC])
+        boosted = self._boost if self._boost in ready else None
         self._boost = None
         if boosted is not None:
             stable.remove(boosted)

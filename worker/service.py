@@ -78,6 +78,7 @@ class LlmService:
                 max_queue=cfg.max_queue,
                 admission_timeout_ms=cfg.admission_timeout_ms,
                 cadence=cfg.cadence,
+                chain_credit=cfg.chain_credit,
             ),
         )
         self.outbox = Outbox()

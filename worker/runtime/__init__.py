@@ -4,6 +4,7 @@ Failures are raised as the typed errors of ``faults`` (each carries its code;
 the runtime itself knows nothing of the wire).
 """
 
+from .chain import Flight
 from .draft import DraftRuntime
 from .lanes import Ephemeral, LanePool, Session, SessionId
 from .state import RuntimeState
@@ -12,6 +13,7 @@ from .steps import Step, StepResult
 __all__ = [
     "DraftRuntime",
     "Ephemeral",
+    "Flight",
     "LanePool",
     "RuntimeState",
     "Session",

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from faults import BadRequest, EngineFault
+from faults import BadRequest, EngineFault, Fault
 
 from ..engine import Engine, Segment
 from ..spec import spec_to_wire
 from .lanes import Session
 from .steps import Step, StepResult
-from .tail import Tail, TailStep
+from .tail import Landed, Tail, TailResult, TailStep
 
 
 class ChainHost(Protocol):
@@ -41,6 +42,16 @@ class ChainHost(Protocol):
 
 
 def forward_chain(rt: ChainHost, steps: Sequence[Step]) -> list[StepResult]:
+    """Run the steps through the whole chain and wait for the result."""
+    assert rt.tail is not None
+    return land_chain(rt, steps, rt.tail.wait(launch_chain(rt, steps)))
+
+
+def launch_chain(rt: ChainHost, steps: Sequence[Step]) -> int:
+    """Run this stage's layers over the steps and send the rows on; returns
+    the tail's ticket. The sessions' positions move now (the local cells
+    hold the steps), so the next forward can be planned before this one
+    comes home; ``land_chain`` finishes the steps when it does."""
     assert rt.tail is not None and rt.tap_layer is not None
     segments = [
         Segment(s.session.lane, s.tokens, s.session.position, "none", s.embd) for s in steps
@@ -77,7 +88,15 @@ def forward_chain(rt: ChainHost, steps: Sequence[Step]) -> list[StepResult]:
         session.tokens.extend(step.tokens)
         session.last_used = time.monotonic()
         rt.tokens_evaluated += len(step.tokens)
-    replies = rt.tail.forward(requests, np.ascontiguousarray(hidden, dtype=np.float32))
+    for step in steps:
+        rt.check_position(step.session)
+    return rt.tail.send(requests, np.ascontiguousarray(hidden, dtype=np.float32))
+
+
+def land_chain(
+    rt: ChainHost, steps: Sequence[Step], replies: Sequence[TailResult]
+) -> list[StepResult]:
+    """The steps' results from what the rest of the chain sent back."""
     results: list[StepResult] = []
     for step, reply in zip(steps, replies, strict=True):
         result = StepResult(token=reply.token, logprobs=reply.logprobs)
@@ -88,6 +107,38 @@ def forward_chain(rt: ChainHost, steps: Sequence[Step]) -> list[StepResult]:
         if reply.token is not None:
             step.session.last_token = reply.token
         results.append(result)
-    for step in steps:
-        rt.check_position(step.session)
     return results
+
+
+@dataclass
+class Flight:
+    """One scheduler forward on its way through the chain.
+
+    A forward of several ``Step.group``s is one chain request per group;
+    the flight lands when all of them have, with ``results`` (in the order
+    of ``steps``) or the first ``fault``.
+    """
+
+    steps: list[Step]
+    parts: dict[int, list[int]] = field(default_factory=dict)  # ticket -> step indices
+    outcomes: dict[int, Landed] = field(default_factory=dict)
+    results: list[StepResult] = field(default_factory=list)
+    fault: Fault | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.outcomes) == len(self.parts)
+
+    def finish(self, rt: ChainHost) -> None:
+        faults = [o for o in self.outcomes.values() if isinstance(o, Fault)]
+        if faults:
+            self.fault = faults[0]
+            return
+        results: list[StepResult] = [StepResult() for _ in self.steps]
+        for ticket, indices in self.parts.items():
+            replies = self.outcomes[ticket]
+            assert not isinstance(replies, Fault)
+            part = [self.steps[i] for i in indices]
+            for i, result in zip(indices, land_chain(rt, part, replies), strict=True):
+                results[i] = result
+        self.results = results

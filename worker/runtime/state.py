@@ -25,7 +25,7 @@ from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch
 
 from ..engine import Engine, Sampler, SamplerError, Segment, greedy_token
 from ..spec import SamplerSpec
-from .chain import forward_chain
+from .chain import Flight, forward_chain, launch_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
 from .signals import logprobs_of, signal_of
 from .steps import Step, StepResult
@@ -72,6 +72,7 @@ class RuntimeState:
         # model is ``tail``; this engine's output is layer ``tap_layer``.
         self.tail = tail
         self.tap_layer = tap_layer
+        self._flights: dict[int, Flight] = {}  # tail ticket -> its forward in flight
         if tail is not None:
             prefix_cache = 0  # a reused lane would need the same prefix downstream
         self.reuse = reuse
@@ -295,6 +296,50 @@ class RuntimeState:
             for i, result in zip(indices, self._forward_group(part, hidden), strict=True):
                 results[i] = result
         return results
+
+    # -- forwards through a pipeline chain, asynchronously ----------------------------
+
+    @property
+    def chained(self) -> bool:
+        """True when forwards can go out asynchronously (``launch`` / ``land``)."""
+        return self.tail is not None
+
+    def launch(self, steps: Sequence[Step]) -> Flight:
+        """Run this stage's layers over ``steps`` and send them down the chain
+        without waiting; ``land`` returns the flight when it comes home."""
+        assert self.tail is not None
+        for step in steps:
+            self.ensure_room(step.session, len(step.tokens))
+        flight = Flight(list(steps))
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for index, step in enumerate(steps):
+            groups.setdefault(step.group, []).append(index)
+        try:
+            for indices in groups.values():
+                ticket = launch_chain(self, [steps[i] for i in indices])
+                flight.parts[ticket] = indices
+                self._flights[ticket] = flight
+        except BaseException:
+            for ticket in flight.parts:
+                self._flights.pop(ticket, None)
+            raise
+        return flight
+
+    def land(self, timeout_ms: int) -> list[Flight]:
+        """Flights that came home (``results`` or ``fault`` set), waiting up
+        to ``timeout_ms`` for the first when none has."""
+        if self.tail is None or not self._flights:
+            return []
+        done: list[Flight] = []
+        for ticket, outcome in self.tail.poll(timeout_ms).items():
+            flight = self._flights.pop(ticket, None)
+            if flight is None:
+                continue  # a part of a flight whose launch failed
+            flight.outcomes[ticket] = outcome
+            if flight.complete:
+                flight.finish(self)
+                done.append(flight)
+        return done
 
     def _forward_group(self, steps: Sequence[Step], hidden: bool) -> list[StepResult]:
         segments = [

@@ -4,6 +4,11 @@ A pipeline stage that does not hold the model's last layer runs its own
 layers, then hands the hidden rows to a ``Tail`` (the next stage, reached
 over the wire by ``worker.stage.link``) and gets back what the last stage
 sampled. The runtime only sees this protocol; it knows nothing of sockets.
+
+Forwards are asynchronous: ``send`` returns a ticket at once and ``poll``
+hands back whatever has come home, so a stage can run its next forward
+while the next stage computes the last one (pipelining, bounded by the
+scheduler's in-flight credit). ``wait`` is the blocking form.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+from faults import Fault
 
 
 @dataclass
@@ -36,11 +43,27 @@ class TailResult:
     parts: dict[str, np.ndarray] = field(default_factory=dict)  # captured rows
 
 
+# What a forward came home as: the steps' results, or why the chain failed it.
+Landed = list[TailResult] | Fault
+
+
 class Tail(Protocol):
     """What the runtime asks of the next stage."""
 
-    def forward(self, steps: list[TailStep], hidden: np.ndarray) -> list[TailResult]:
-        """Run the rest of the model over ``hidden`` (rows of ``steps`` in order)."""
+    def send(self, steps: list[TailStep], hidden: np.ndarray) -> int:
+        """Start the rest of the model over ``hidden`` (rows of ``steps`` in
+        order); returns a ticket. Raises ``StageUnavailable`` when the next
+        stage is not connected (nothing was sent)."""
+        ...
+
+    def poll(self, timeout_ms: int) -> dict[int, Landed]:
+        """Forwards that came home, by ticket; waits up to ``timeout_ms`` for
+        the first one when none has. A dropped link lands every outstanding
+        forward as ``StageUnavailable``."""
+        ...
+
+    def wait(self, ticket: int) -> list[TailResult]:
+        """Block until ``ticket`` comes home; raise its fault if it failed."""
         ...
 
     def session_op(self, op: str, session: str, token_count: int = 0) -> None:

@@ -3,20 +3,24 @@
 One DEALER per stage, connected to the next stage's ROUTER. A forward is a
 ``forward_frame`` request carrying the hidden rows as a frame (``hidden``,
 token axis 0, positions) and the steps' metadata; its reply carries what the
-last stage sampled and any asked outputs. The call blocks the stage's turn
-(stages run one after another within a turn; see docs/architecture.md).
+last stage sampled and any asked outputs. Forwards are asynchronous: the
+stage sends one and goes on with its next turn (the scheduler bounds how
+many are in flight), collecting replies as they come; ``trim``/``drop``
+and ``info`` wait for their answers, keeping any forward that lands
+meanwhile.
 
 A dead next stage is noticed at once rather than by timeout: the socket is
 ``ZMQ_IMMEDIATE`` (a send with no live connection fails instead of
 queueing) and a socket monitor reports the connection dropping while we
-wait. Either ends the forward with ``stage_unavailable``; once the stage is
-back ZeroMQ reconnects by itself and chain work resumes.
+wait. Either ends every outstanding request with ``stage_unavailable``;
+once the stage is back ZeroMQ reconnects by itself and chain work resumes.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +32,7 @@ from faults import BadRequest, Fault, SessionNotActive, StageUnavailable, from_c
 from protocol import codec, frames, sockets
 from protocol.envelope import request
 
-from ..runtime.tail import TailResult, TailStep
+from ..runtime.tail import Landed, TailResult, TailStep
 
 _log = get_logger("skiff.stage")
 _SESSION_OP_MS = 5_000  # trim / drop downstream: no forward, answered within a turn
@@ -54,6 +58,14 @@ class StageLink:
         self._sock.setsockopt(zmq.MAXMSGSIZE, sockets.DEFAULT_MAX_MESSAGE_BYTES)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._landed: dict[int, Landed] = {}  # forwards home, not yet polled
+        self._answers: dict[
+            int, Fault | tuple[dict[str, Any], list[memoryview]]
+        ] = {}  # plain calls home, not yet taken
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self.connected = False
         self._sock.connect(endpoint)
 
@@ -64,7 +76,7 @@ class StageLink:
 
     # -- the Tail protocol ---------------------------------------------------------
 
-    def forward(self, steps: list[TailStep], hidden: np.ndarray) -> list[TailResult]:
+    def send(self, steps: list[TailStep], hidden: np.ndarray) -> int:
         positions = [s.position + k for s in steps for k in range(len(s.tokens))]
         wire = hidden.astype(self.frame_dtype) if hidden.dtype != self.frame_dtype else hidden
         frame = frames.make_frame(
@@ -87,32 +99,25 @@ class StageLink:
                 for s in steps
             ],
         }
-        header, reply_buffers = self._call("forward_frame", None, args, buffers)
-        result = header.get("result") or {}
-        items = result.get("results")
-        if not isinstance(items, list) or len(items) != len(steps):
-            raise StageUnavailable("the next stage sent a malformed forward_frame reply")
-        parts: dict[str, np.ndarray] = {}
-        if "frame" in result:
-            parts = {
-                k: np.array(v)
-                for k, v in frames.parse(result["frame"], reply_buffers).arrays().items()
-            }
-        out: list[TailResult] = []
-        row = 0
-        for item in items:
-            n = int(item.get("rows", 0))
-            mine = {k: v[row : row + n] for k, v in parts.items()}
-            row += n
-            out.append(
-                TailResult(
-                    token=item.get("token"),
-                    logprobs=item.get("logprobs"),
-                    error=item.get("error"),
-                    parts=mine,
-                )
-            )
-        return out
+        return self._send("forward_frame", None, args, buffers, self.timeout_ms, len(steps))
+
+    def poll(self, timeout_ms: int) -> dict[int, Landed]:
+        if not self._landed:
+            self._pump(timeout_ms)
+        landed, self._landed = self._landed, {}
+        return landed
+
+    def wait(self, ticket: int) -> list[TailResult]:
+        while ticket not in self._landed:
+            self._pump(self.timeout_ms)
+        landed = self._landed.pop(ticket)
+        if isinstance(landed, Fault):
+            raise landed
+        return landed
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for p in self._pending.values() if p.steps is not None)
 
     def session_op(self, op: str, session: str, token_count: int = 0) -> None:
         args = {"token_count": token_count} if op == "trim" else None
@@ -130,7 +135,7 @@ class StageLink:
         value = header.get("result")
         return value if isinstance(value, dict) else {}
 
-    # -- one request ------------------------------------------------------------------
+    # -- requests and replies ----------------------------------------------------------
 
     def _call(
         self,
@@ -138,8 +143,26 @@ class StageLink:
         session: str | None,
         args: dict[str, Any] | None,
         buffers: list[Any],
-        timeout_ms: int | None = None,
+        timeout_ms: int,
     ) -> tuple[dict[str, Any], list[memoryview]]:
+        req_id = self._send(op, session, args, buffers, timeout_ms, None)
+        while req_id not in self._answers:
+            self._pump(timeout_ms)
+        answer = self._answers.pop(req_id)
+        if isinstance(answer, Fault):
+            raise answer
+        header, reply_buffers = answer
+        return header, reply_buffers
+
+    def _send(
+        self,
+        op: str,
+        session: str | None,
+        args: dict[str, Any] | None,
+        buffers: list[Any],
+        timeout_ms: int,
+        steps: int | None,
+    ) -> int:
         self._drain_monitor()
         if not self.connected:
             # not yet connected, or the connection dropped: fail at once
@@ -151,29 +174,67 @@ class StageLink:
             self._sock.send_multipart([codec.encode(header), *buffers], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise StageUnavailable(f"the next stage ({self.endpoint}) is not connected") from None
-        deadline = time.monotonic() + (timeout_ms or self.timeout_ms) / 1000
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StageUnavailable(f"the next stage ({self.endpoint}) did not answer {op}")
-            ready = dict(poller.poll(int(left * 1000) + 1))
-            if self._monitor in ready and self._drain_monitor():
-                raise StageUnavailable(f"the next stage ({self.endpoint}) went away during {op}")
-            if self._sock not in ready:
-                continue
+        self._pending[req_id] = _Pending(op, steps, time.monotonic() + timeout_ms / 1000)
+        return req_id
+
+    def _pump(self, timeout_ms: int) -> None:
+        """Take in what has arrived, waiting up to ``timeout_ms`` for the first
+        message; requests past their deadline or cut off by a dropped link
+        land as ``stage_unavailable``."""
+        now = time.monotonic()
+        for req_id, p in list(self._pending.items()):
+            if p.deadline <= now:
+                self._land(
+                    req_id,
+                    StageUnavailable(f"the next stage ({self.endpoint}) did not answer {p.op}"),
+                )
+        if self._drain_monitor():
+            self._fail_all(f"the next stage ({self.endpoint}) went away")
+            return
+        if not self._pending:
+            return
+        wait = min(
+            timeout_ms,
+            max(0, int((min(p.deadline for p in self._pending.values()) - now) * 1000) + 1),
+        )
+        ready = dict(self._poller.poll(wait))
+        if self._monitor in ready and self._drain_monitor():
+            self._fail_all(f"the next stage ({self.endpoint}) went away")
+            return
+        while self._sock.poll(0):
             msg = self._sock.recv_multipart(copy=False)
             reply = codec.decode(msg[0].buffer, max_bytes=1 << 30)
-            if not isinstance(reply, dict) or reply.get("id") != req_id:
+            got = reply.get("id") if isinstance(reply, dict) else None
+            if not isinstance(got, int) or got not in self._pending:
                 continue  # a late reply to a request that already gave up
-            if not reply.get("ok"):
-                err = reply.get("error") or {}
-                cls = from_code(str(err.get("code", "internal")))
-                message = f"next stage: {err.get('message', '')}"
-                raise (cls if issubclass(cls, Fault) else BadRequest)(message)
-            return reply, [f.buffer for f in msg[1:]]
+            self._land(got, self._outcome(reply, [f.buffer for f in msg[1:]], got))
+
+    def _outcome(
+        self, reply: dict[str, Any], buffers: list[memoryview], req_id: int
+    ) -> Fault | tuple[dict[str, Any], list[memoryview]] | list[TailResult]:
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            cls = from_code(str(err.get("code", "internal")))
+            message = f"next stage: {err.get('message', '')}"
+            return (cls if issubclass(cls, Fault) else BadRequest)(message)
+        steps = self._pending[req_id].steps
+        if steps is None:
+            return reply, buffers
+        try:
+            return _results(reply, buffers, steps)
+        except (Fault, ValueError, KeyError, TypeError) as exc:
+            return StageUnavailable(f"the next stage sent a malformed forward_frame reply: {exc}")
+
+    def _land(self, req_id: int, outcome: Any) -> None:
+        p = self._pending.pop(req_id)
+        if p.steps is None:
+            self._answers[req_id] = outcome
+        else:
+            self._landed[req_id] = outcome
+
+    def _fail_all(self, why: str) -> None:
+        for req_id, p in list(self._pending.items()):
+            self._land(req_id, StageUnavailable(f"{why} during {p.op}"))
 
     def _drain_monitor(self) -> bool:
         """Read pending connection events; True when the link dropped."""
@@ -186,3 +247,36 @@ class StageLink:
             elif event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
         return dropped
+
+
+@dataclass(slots=True)
+class _Pending:
+    op: str
+    steps: int | None  # a forward's step count; None for a plain call
+    deadline: float
+
+
+def _results(reply: dict[str, Any], buffers: list[memoryview], steps: int) -> list[TailResult]:
+    """A ``forward_frame`` reply's per-step results, rows cut from its frame."""
+    result = reply.get("result") or {}
+    items = result.get("results")
+    if not isinstance(items, list) or len(items) != steps:
+        raise ValueError(f"{steps} steps sent, results for {len(items or [])}")
+    parts: dict[str, np.ndarray] = {}
+    if "frame" in result:
+        parts = {k: np.array(v) for k, v in frames.parse(result["frame"], buffers).arrays().items()}
+    out: list[TailResult] = []
+    row = 0
+    for item in items:
+        n = int(item.get("rows", 0))
+        mine = {k: v[row : row + n] for k, v in parts.items()}
+        row += n
+        out.append(
+            TailResult(
+                token=item.get("token"),
+                logprobs=item.get("logprobs"),
+                error=item.get("error"),
+                parts=mine,
+            )
+        )
+    return out
