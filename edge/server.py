@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -44,6 +44,9 @@ from protocol import codec, sockets
 from protocol.envelope import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
 
 from . import logs
+
+if TYPE_CHECKING:
+    from .metrics import EdgeMetrics
 
 _log = logs.get_logger("skiff.edge")
 
@@ -133,10 +136,15 @@ class EdgeServer:
     """Owns the ROUTER socket and runs ``service`` on it, one thread."""
 
     def __init__(
-        self, cfg: EdgeConfig, service: Service, context: zmq.Context[Any] | None = None
+        self,
+        cfg: EdgeConfig,
+        service: Service,
+        context: zmq.Context[Any] | None = None,
+        metrics: EdgeMetrics | None = None,
     ) -> None:
         self.cfg = cfg
         self.service = service
+        self.metrics = metrics  # requests in, replies out (edge/metrics.py); None = off
         self._zctx = context or zmq.Context.instance()
         self.sock = sockets.router(self._zctx, cfg.bind, cfg.socket)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -201,6 +209,7 @@ class EdgeServer:
     def _handle(self, peer: bytes, frames: Sequence[zmq.Frame]) -> None:
         req_id: int | None = None
         op: str | None = None
+        counted = False
         try:
             if not frames:
                 raise BadRequest("message has no header frame")
@@ -215,6 +224,9 @@ class EdgeServer:
             raw_op = header.get("op")
             if type(raw_op) is str and len(raw_op) <= MAX_OP_CHARS:
                 op = raw_op
+            if self.metrics is not None:
+                counted = True
+                self.metrics.received(peer, req_id, op)
             request = self._envelope(peer, header, req_id, op, frames)
             logs.bind_request(request.id, request.op, request.session)
             handler = self.service.handlers.get(request.op)
@@ -222,6 +234,8 @@ class EdgeServer:
                 raise UnknownOp(f"unknown op {request.op!r}")
             result = handler(request)
         except Exception as exc:
+            if self.metrics is not None and not counted:  # undecodable: count it all the same
+                self.metrics.received(peer, req_id, op)
             self.deliver([Outgoing(peer, failure_header(req_id, exc, op))])
             return
         if result is not None:
@@ -281,14 +295,19 @@ class EdgeServer:
     def deliver(self, messages: Iterable[Outgoing]) -> None:
         """Send each message; tell the service about peers lost on the way."""
         lost: dict[bytes, str] = {}
+        metrics = self.metrics
         for msg in messages:
             if msg.peer in lost:
                 continue
+            if metrics is not None:  # before the send: a client never sees a reply uncounted
+                metrics.replied(msg.peer, msg.header)
             reason = self._send(msg)
             if reason is not None:
                 lost[msg.peer] = reason
         for peer, reason in lost.items():
             self.peers_lost += 1
+            if metrics is not None:
+                metrics.peer_lost(peer, reason)
             try:
                 cancelled = self.service.peer_lost(peer, reason)
             except Exception:

@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from types import FrameType
 
 from edge import EdgeConfig, EdgeServer, logs
+from edge import metrics as edge_metrics
 from edge.memory import reexec_with_tunables
 from protocol.sockets import SocketOptions
 
 from . import config
 from .engine import Engine, EngineConfig
+from .metrics import WorkerMetrics
 from .models import resolve_model
 from .runtime import DraftRuntime
 from .service import LlmService
@@ -74,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(cfg.log_format, cfg.log_level)
     log = logs.get_logger("skiff.cli")
     draft: DraftModel | None = None
+    exporter: edge_metrics.Exporter | None = None
     try:
         stage = plan_stage(cfg)
         engine = build_engine(cfg, stage=stage)
@@ -83,7 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = str(resolve_model(cfg.draft_model))
             draft = DraftModel(DraftRuntime(build_engine(cfg, cfg.draft_model), path))
         service = LlmService(cfg, engine, draft=draft, stage=stage)
-        server = EdgeServer(edge_config(cfg), service)
+        metrics: WorkerMetrics | None = None
+        if cfg.metrics_port:
+            metrics = WorkerMetrics(edge_metrics.new_registry(), service)
+        server = EdgeServer(edge_config(cfg), service, metrics=metrics.edge if metrics else None)
+        if metrics is not None:
+            exporter = edge_metrics.serve(metrics.registry, cfg.metrics_port, cfg.metrics_host)
     except Exception as exc:
         log.error("startup_failed", error=str(exc))
         return 1
@@ -100,10 +108,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         lanes=service.rt.lanes.n_lanes,
         n_ctx=engine.n_ctx,
         model=engine.cfg.model_path,
+        metrics_port=exporter.port if exporter else None,
     )
     try:
         server.serve_forever()
     finally:
+        if exporter is not None:
+            exporter.close()
         server.close()
         engine.close()
         if draft is not None:

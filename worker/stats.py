@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 WINDOW_S = 10.0
 _BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+# Told of every forward: (steps, tokens, seconds). Metrics export hooks in here.
+ForwardObserver = Callable[[int, int, float], None]
 
 
 class _StepLike(Protocol):
@@ -40,6 +43,7 @@ class SchedulerStats:
         self._recent_forwards: deque[float] = deque(maxlen=1024)
         self._queue_wait_s = 0.0
         self._queue_waits = 0
+        self.observer: ForwardObserver | None = None
 
     def record_forward(self, steps: Sequence[_StepLike], seconds: float) -> None:
         decode = sum(1 for s in steps if len(s.tokens) == 1 and s.sample)
@@ -58,6 +62,8 @@ class SchedulerStats:
         self._window.append((now, total - decode, decode))
         while self._window and now - self._window[0][0] > WINDOW_S:
             self._window.popleft()
+        if self.observer is not None:
+            self.observer(len(steps), total, seconds)
 
     def record_queue_wait(self, seconds: float) -> None:
         self._queue_wait_s += seconds

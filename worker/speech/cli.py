@@ -18,6 +18,7 @@ from types import FrameType
 import zmq
 
 from edge import EdgeConfig, EdgeServer, logs
+from edge import metrics as edge_metrics
 from edge.memory import reexec_with_tunables
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, SocketOptions
 
@@ -29,6 +30,7 @@ from .engine import (
     default_threads,
     resolve_voice_path,
 )
+from .metrics import speech_metrics
 from .server import SpeechService
 
 ENV_PREFIX = "SKIFF_SPEECH_"
@@ -44,6 +46,22 @@ def _env_int(parser: argparse.ArgumentParser, name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         parser.error(f"{ENV_PREFIX}{name}={raw!r} is not an integer")
+
+
+def _shared_metrics_port(parser: argparse.ArgumentParser) -> int:
+    """SKIFF_METRICS_PORT, the variable every skiff process reads."""
+    raw = os.environ.get("SKIFF_METRICS_PORT", "0")
+    try:
+        return int(raw)
+    except ValueError:
+        parser.error(f"SKIFF_METRICS_PORT={raw!r} is not an integer")
+
+
+def _port(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError("must be in 0..65535 (0 = off)")
+    return value
 
 
 def _positive(raw: str) -> int:
@@ -113,6 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
         "work is dropped (env SKIFF_SPEECH_SEND_HWM; default %(default)s)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        # The LLM worker's variable also applies, so one env sets every process.
+        # A string default goes through ``type`` too, so the range is checked for it.
+        default=str(_env_int(parser, "METRICS_PORT", _shared_metrics_port(parser))),
+        help="serve Prometheus metrics on this HTTP port (/metrics); 0 = off "
+        "(env SKIFF_SPEECH_METRICS_PORT, else SKIFF_METRICS_PORT; default %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=_env("METRICS_HOST", os.environ.get("SKIFF_METRICS_HOST", "0.0.0.0")),
+        help="address the metrics port binds (env SKIFF_SPEECH_METRICS_HOST, else "
+        "SKIFF_METRICS_HOST; default %(default)s)",
+    )
+    parser.add_argument(
         "--log-format",
         choices=logs.LOG_FORMATS,
         default=_env("LOG_FORMAT", "auto"),
@@ -161,11 +194,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         socket=SocketOptions(max_message_bytes=args.max_message_bytes, sndhwm=args.send_hwm),
         drain_max=1000,  # requests read per pass, so a flood cannot starve synthesis
     )
+    registry = edge_metrics.new_registry() if args.metrics_port else None
+    metrics = speech_metrics(registry, service) if registry is not None else None
     try:
-        server = EdgeServer(edge_cfg, service)
+        server = EdgeServer(edge_cfg, service, metrics=metrics)
     except zmq.ZMQError as exc:
         log.error("cannot bind", endpoint=args.bind, error=str(exc))
         return 2
+    exporter: edge_metrics.Exporter | None = None
+    if registry is not None:
+        try:
+            exporter = edge_metrics.serve(registry, args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            log.error("cannot serve metrics", port=args.metrics_port, error=str(exc))
+            server.close()
+            return 2
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         server.stop()
@@ -177,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.serve_forever()
         server.deliver(service.shutdown())
     finally:
+        if exporter is not None:
+            exporter.close()
         server.close()
         log.info("speech worker stopped")
     return 0
