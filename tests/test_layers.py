@@ -3,7 +3,7 @@
 Arrows point down: ``faults`` <- ``protocol`` <- ``edge`` <- ``worker``'s edge
 side (service, handlers, cli), and the core (scheduler, jobs, generation,
 runtime, engine) knows nothing of the wire. The client side (``protocol``,
-``edge``, ``loadtest``) never reaches ``worker`` or ``llama_cpp``.
+``edge``, ``loadtest``, ``gateway``) never reaches ``worker`` or ``llama_cpp``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("faults", "protocol", "edge", "worker", "loadtest")
+PACKAGES = ("faults", "protocol", "edge", "worker", "loadtest", "gateway")
 
 # The core: what runs a request once it is typed. None of it may import the
 # wire (protocol, zmq, msgpack) or the edge.
@@ -126,13 +126,14 @@ def test_core_imports_nothing_of_the_wire() -> None:
 
 def test_lower_layers_never_import_upper_ones() -> None:
     graph = _graph()
-    order = {"faults": 0, "protocol": 1, "edge": 2, "loadtest": 3, "worker": 3}
+    order = {"faults": 0, "protocol": 1, "edge": 2, "loadtest": 3, "worker": 3, "gateway": 3}
+    siblings = ({"loadtest", "worker"}, {"gateway", "worker"}, {"gateway", "loadtest"})
     upward = [
         f"{a} -> {b}"
         for a, targets in graph.items()
         for b in targets
         if order[b.split(".")[0]] > order[a.split(".")[0]]
-        or {a.split(".")[0], b.split(".")[0]} == {"loadtest", "worker"}
+        or {a.split(".")[0], b.split(".")[0]} in siblings
     ]
     assert upward == []
 
@@ -150,7 +151,9 @@ def _fresh_modules(code: str) -> set[str]:
 
 
 def test_client_side_leaves_llama_cpp_and_worker_out() -> None:
-    loaded = _fresh_modules("import loadtest, loadtest.cli, protocol, edge")
+    loaded = _fresh_modules(
+        "import loadtest, loadtest.cli, protocol, edge, gateway.cli, gateway.http, gateway.server"
+    )
     assert "llama_cpp" not in loaded
     assert not any(m == "worker" or m.startswith("worker.") for m in loaded)
 

@@ -17,7 +17,16 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_ruff_clean() -> None:
     out = _run(
-        "ruff", "check", "faults", "protocol", "edge", "worker", "loadtest", "tests", "scripts"
+        "ruff",
+        "check",
+        "faults",
+        "protocol",
+        "edge",
+        "worker",
+        "loadtest",
+        "gateway",
+        "tests",
+        "scripts",
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -30,7 +39,7 @@ def test_mypy_clean() -> None:
 def test_llama_cpp_is_imported_only_by_the_engine() -> None:
     offenders = [
         str(p.relative_to(ROOT))
-        for folder in ("faults", "protocol", "edge", "worker", "loadtest")
+        for folder in ("faults", "protocol", "edge", "worker", "loadtest", "gateway")
         for p in (ROOT / folder).rglob("*.py")
         if "engine" not in p.relative_to(ROOT).parts[:2]
         and any(

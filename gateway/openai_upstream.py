@@ -1,0 +1,232 @@
+"""The HTTP front's link to one skiff endpoint: requests, cancels, health.
+
+``protocol.AsyncClient`` matches replies to requests by id; this wrapper adds
+what an HTTP front needs on top of it:
+
+- ``open`` / ``release``: a streamed request whose id we keep, so a client
+  that goes away mid-stream gets its generation cancelled upstream (``cancel``
+  op) instead of decoding for nobody;
+- liveness from two signals. The DEALER's connection (a ZeroMQ socket
+  monitor) says whether any process is there: when it drops, the requests in
+  flight end with ``worker_unavailable`` at once (the worker cancels a gone
+  peer's requests anyway, so no reply will ever come) instead of hanging until
+  the reply timeout. A ``ping`` every ``interval_s`` says whether it answers:
+  ``up`` drives ``/health``. A missed ping alone never fails a request: a
+  worker answers ping only between scheduler turns, and on a loaded machine a
+  turn (a grammar being compiled, a long prefill) can outlast any threshold.
+  Only a peer that is both unconnected and silent is "down": new requests
+  then fail fast with 503, and any in flight end as above;
+- token texts for logprobs (``detokenize``, cached: the vocabulary is fixed).
+
+Everything runs on the HTTP front's own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from edge.logs import get_logger
+from faults import ErrorCode
+from protocol import AsyncClient, Reply, SkiffError
+
+from .openai_errors import ApiError, from_skiff, unavailable
+
+log = get_logger("gateway.http")
+
+TEXT_CACHE_LIMIT = 1 << 16  # token texts kept (a few MiB at most)
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class _Client(AsyncClient):
+    def __init__(self, endpoint: str, timeout_ms: int) -> None:
+        super().__init__(endpoint, timeout_ms=timeout_ms)
+        # The base class connects at once; reconnect under a monitor so the
+        # first CONNECTED event cannot be missed (nothing was sent yet).
+        self._sock.disconnect(endpoint)
+        self.monitor = self._sock.get_monitor_socket(_MONITORED)
+        self._sock.connect(endpoint)
+
+    def forget(self, req_id: int) -> None:
+        """Stop routing replies of ``req_id`` (after its last one, or a cancel)."""
+        self._queues.pop(req_id, None)
+
+    async def close(self) -> None:
+        self._sock.disable_monitor()
+        self.monitor.close(linger=0)
+        await super().close()
+
+
+@dataclass
+class Pending:
+    """A request sent upstream whose replies we are reading."""
+
+    req_id: int
+    queue: asyncio.Queue[Reply]
+    finished: bool = False
+
+
+class Upstream:
+    """One skiff endpoint (a worker, or the gateway's front) seen from HTTP."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float,
+        interval_s: float = 0.5,
+        down_after_s: float = 3.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.client = _Client(endpoint, timeout_ms=int(timeout_s * 1000))
+        self.interval_s = interval_s
+        self.down_after_s = down_after_s
+        self.up: bool | None = None  # answers ping; None until the first ping settles it
+        self.connected = False  # the DEALER holds a connection to a peer
+        self._inflight: dict[int, Pending] = {}
+        self._texts: dict[int, str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._health_loop()), loop.create_task(self._watch())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.close()
+
+    @property
+    def down(self) -> bool:
+        """Nothing is connected and nothing answers: no request can succeed."""
+        return not self.connected and self.up is False
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.client.monitor.recv_multipart()
+            event = parse_monitor_message(message)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                log.warning("upstream_disconnected", endpoint=self.endpoint)
+                self._fail_inflight("lost its connection")
+
+    async def _health_loop(self) -> None:
+        last_ok = time.monotonic()
+        while True:
+            try:
+                await asyncio.wait_for(self.client.ping(), self.down_after_s)
+                last_ok = time.monotonic()
+                if self.up is not True:
+                    log.info("upstream_up", endpoint=self.endpoint)
+                self.up = True
+            except (SkiffError, TimeoutError):
+                if time.monotonic() - last_ok >= self.down_after_s and self.up is not False:
+                    self.up = False
+                    log.warning("upstream_not_answering", endpoint=self.endpoint)
+            if self.down:
+                self._fail_inflight("is not connected and does not answer ping")
+            await asyncio.sleep(self.interval_s)
+
+    def _fail_inflight(self, why: str) -> None:
+        """End every request in flight: no reply can come for it any more."""
+        for pending in self._inflight.values():
+            if pending.finished:
+                continue
+            pending.finished = True  # the worker has forgotten it; nothing to cancel
+            error = {
+                "code": ErrorCode.WORKER_UNAVAILABLE.value,
+                "message": f"upstream {self.endpoint} {why}",
+            }
+            header = {"v": 1, "id": pending.req_id, "ok": False, "error": error}
+            pending.queue.put_nowait(Reply(header))
+
+    def check_up(self) -> None:
+        """Fail fast (503) while the upstream is known to be gone."""
+        if self.down:
+            raise unavailable(f"upstream {self.endpoint} is not connected and does not answer ping")
+
+    # -- requests ------------------------------------------------------------------
+
+    async def call(self, op: str, args: dict[str, Any] | None = None) -> Reply:
+        """One request, one reply; errors become ``ApiError``."""
+        self.check_up()
+        pending = self.open(op, args)
+        try:
+            reply = await self.next(pending)
+            pending.finished = True
+            return reply
+        finally:
+            self.release(pending)
+
+    def open(self, op: str, args: dict[str, Any] | None) -> Pending:
+        req_id, queue = self.client.send(op, None, args)
+        pending = Pending(req_id, queue)
+        self._inflight[req_id] = pending
+        return pending
+
+    async def next(self, pending: Pending) -> Reply:
+        """The request's next reply; an error reply (or none in time) raises ``ApiError``."""
+        try:
+            if pending.queue.empty():
+                reply = await asyncio.wait_for(pending.queue.get(), self.client.timeout_ms / 1000)
+            else:  # no timer task per token when replies are already waiting
+                reply = pending.queue.get_nowait()
+        except TimeoutError:  # still unfinished: ``release`` cancels it upstream
+            raise from_skiff(
+                SkiffError("timeout", f"no reply within {self.client.timeout_ms} ms")
+            ) from None
+        try:
+            reply.raise_for_error()
+        except SkiffError as exc:
+            pending.finished = True  # an error reply ends a request
+            raise from_skiff(exc) from None
+        if reply.done:
+            pending.finished = True
+        return reply
+
+    def release(self, pending: Pending, *, cancel: bool = True) -> None:
+        """Forget the request; cancel it upstream if it has not finished."""
+        self._inflight.pop(pending.req_id, None)
+        self.client.forget(pending.req_id)
+        if cancel and not pending.finished:
+            # sent at once (no task to schedule); its reply is not awaited
+            cancel_id, _ = self.client.send("cancel", None, {"id": pending.req_id})
+            self.client.forget(cancel_id)
+
+    # -- token texts -----------------------------------------------------------------
+
+    async def token_texts(self, tokens: set[int]) -> dict[int, str]:
+        """Each token's own text (``detokenize`` of it alone), cached."""
+        out = {t: self._texts[t] for t in tokens if t in self._texts}
+        missing = sorted(tokens - out.keys())
+        if missing:
+            replies = await asyncio.gather(
+                *(self.call("detokenize", {"tokens": [t]}) for t in missing)
+            )
+            if len(self._texts) + len(missing) > TEXT_CACHE_LIMIT:
+                self._texts.clear()
+            for token, reply in zip(missing, replies, strict=True):
+                out[token] = self._texts[token] = str(reply.result.get("text", ""))
+        return out
+
+
+def api_error_of(exc: BaseException) -> ApiError:
+    """Any failure while talking upstream, as the HTTP error to answer."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, SkiffError):
+        return from_skiff(exc)
+    return ApiError(
+        500, f"internal error: {type(exc).__name__}", type_="server_error", code="internal"
+    )

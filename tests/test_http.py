@@ -1,0 +1,517 @@
+"""The HTTP front (``gateway.http.HttpFront``) driven by the official ``openai`` client.
+
+A real worker process (the shared ``worker`` fixture) sits behind the front,
+with no gateway between them: streamed and non-streamed completions and chat
+must agree token for token at temperature 0, logprobs, stops, JSON schemas,
+embeddings, models and health go through the real protocol. Error statuses
+that a healthy worker will not produce on demand (429, 503, 504, an error in
+the middle of a stream) come from a scripted fake upstream: a ZeroMQ ROUTER
+that answers the way a worker or the gateway would.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+import wave
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import zmq
+from openai.types.chat import ChatCompletionMessageParam
+
+from gateway.http import HttpFront
+from gateway.openai_errors import ApiError
+from gateway.openai_media import speech_args
+from gateway.openai_shapes import plan_chat, plan_completion
+from protocol import Client, codec
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The capital of France is"
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
+
+
+def _client(front: HttpFront) -> openai.OpenAI:
+    # max_retries=0: the client would otherwise retry 429/503 by itself
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{front.port}/v1", api_key="unused", max_retries=0
+    )
+
+
+def _raw(
+    front: HttpFront, method: str, path: str, body: Any = None
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)
+    data = None if body is None else json.dumps(body)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+@pytest.fixture(scope="module")
+def front(worker: tuple[str, Path]) -> Iterator[HttpFront]:
+    http_front = HttpFront(worker[0])
+    http_front.start("127.0.0.1", 0)
+    yield http_front
+    http_front.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(front: HttpFront) -> openai.OpenAI:
+    return _client(front)
+
+
+# -- completions and chat against the real worker --------------------------------------
+
+
+def test_completions_stream_equals_non_stream(oai: openai.OpenAI) -> None:
+    whole = oai.completions.create(model="skiff", prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(
+        oai.completions.create(
+            model="skiff",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert whole.object == "text_completion" and whole.choices[0].text
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    last, usage = chunks[-1].usage, whole.usage
+    assert chunks[-1].choices == [] and last is not None and usage is not None  # include_usage
+    assert last.completion_tokens == usage.completion_tokens == 12
+    assert last.prompt_tokens == usage.prompt_tokens == 6
+    assert usage.total_tokens == 18
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_equals_non_stream(oai: openai.OpenAI) -> None:
+    whole = oai.chat.completions.create(
+        model="skiff", messages=CHAT, max_completion_tokens=10, temperature=0
+    )
+    chunks = list(
+        oai.chat.completions.create(
+            model="skiff", messages=CHAT, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert whole.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content and text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert whole.usage is not None and whole.usage.completion_tokens <= 10
+
+
+def test_stream_ends_with_done_on_the_wire(front: HttpFront) -> None:
+    body = {"model": "skiff", "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    conn, resp = _raw(front, "POST", "/v1/completions", body)
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    events = [line for line in resp.read().decode().split("\n\n") if line]
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"]
+
+
+def test_completion_logprobs(oai: openai.OpenAI) -> None:
+    out = oai.completions.create(
+        model="skiff", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert "".join(lp.tokens) == out.choices[0].text
+    for chosen, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and logprob <= 0
+        assert logprob == max(top.values()) == top[chosen]  # greedy takes the top token
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_chat_logprobs_streamed_and_not(oai: openai.OpenAI) -> None:
+    args: dict[str, Any] = {
+        "model": "skiff",
+        "messages": CHAT,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = oai.chat.completions.create(**args)
+    assert whole.choices[0].logprobs is not None
+    content = whole.choices[0].logprobs.content
+    assert content and "".join(t.token for t in content) == whole.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in content)
+    streamed = [
+        entry
+        for chunk in oai.chat.completions.create(**args, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for entry in chunk.choices[0].logprobs.content or []
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
+def test_stop_is_honoured(oai: openai.OpenAI) -> None:
+    free = oai.completions.create(model="skiff", prompt=PROMPT, max_tokens=12, temperature=0)
+    text = free.choices[0].text
+    word = text.split()[2]  # a word the free run reaches
+    for stop in (f" {word}", ["zzzz", f" {word}"]):
+        cut = oai.completions.create(
+            model="skiff", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop
+        )
+        assert cut.choices[0].text == text[: text.index(f" {word}")]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_response_parses(oai: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    out = oai.chat.completions.create(
+        model="skiff",
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    value = json.loads(out.choices[0].message.content or "")
+    assert set(value) == {"answer"} and value["answer"] in ("yes", "no")
+    assert out.choices[0].finish_reason == "stop"
+    obj = oai.completions.create(
+        model="skiff",
+        prompt="JSON:",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert isinstance(json.loads(obj.choices[0].text), dict)
+
+
+def test_seed_reproduces_a_sampled_run(oai: openai.OpenAI) -> None:
+    def run() -> str:
+        out = oai.completions.create(
+            model="skiff", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1234
+        )
+        return out.choices[0].text
+
+    assert run() == run()
+
+
+def test_client_disconnect_cancels_the_generation(front: HttpFront, worker: Any) -> None:
+    body = {"model": "skiff", "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+    with Client(worker[0]) as skiff:
+        before = skiff.stats()["cancelled"]
+        conn, resp = _raw(front, "POST", "/v1/completions", {**body, "temperature": 0})
+        assert resp.readline().startswith(b"data: ")  # the stream is running
+        conn.close()
+        deadline = time.monotonic() + 30
+        while skiff.stats()["cancelled"] == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = skiff.stats()
+    assert stats["cancelled"] == before + 1  # not 400 tokens decoded for nobody
+
+
+# -- embeddings, models, health ---------------------------------------------------------
+
+
+def test_embeddings_float_and_base64(oai: openai.OpenAI) -> None:
+    out = oai.embeddings.create(model="skiff", input=["hello world", "goodbye"])
+    assert [d.index for d in out.data] == [0, 1]
+    assert all(len(d.embedding) == 640 for d in out.data)
+    assert out.usage.prompt_tokens > 0
+    packed = oai.embeddings.create(model="skiff", input="hello world", encoding_format="base64")
+    raw = packed.data[0].embedding
+    vector = np.frombuffer(base64.b64decode(raw), dtype="<f4")  # type: ignore[arg-type]
+    assert vector.shape == (640,)
+    assert np.allclose(vector, out.data[0].embedding)
+
+
+def test_models_lists_one_model(oai: openai.OpenAI) -> None:
+    models = oai.models.list().data
+    assert [m.id for m in models] == ["skiff"]
+    extra = models[0].model_dump()
+    assert extra["max_model_len"] == 2048 and extra["skiff"]["model"]["n_embd"] == 640
+    assert "path" not in extra["skiff"]["model"]
+    assert oai.models.retrieve("skiff").id == "skiff"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4")
+
+
+def test_health_follows_ready(worker: tuple[str, Path]) -> None:
+    flag = {"ready": False}
+    http_front = HttpFront(worker[0], ready=lambda: flag["ready"])
+    http_front.start("127.0.0.1", 0)
+    try:
+        conn, resp = _raw(http_front, "GET", "/health")
+        assert resp.status == 503
+        conn.close()
+        flag["ready"] = True
+        conn, resp = _raw(http_front, "GET", "/health")
+        assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
+        conn.close()
+    finally:
+        http_front.stop()
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def test_bad_requests_are_400_and_unknown_things_404(oai: openai.OpenAI, front: HttpFront) -> None:
+    with pytest.raises(openai.BadRequestError) as ours:
+        oai.completions.create(model="skiff", prompt="x", max_tokens=2, temperature=3)
+    assert ours.value.body["param"] == "temperature"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as workers:  # refused by the worker itself
+        oai.completions.create(model="skiff", prompt="x", max_tokens=100_000)
+    assert workers.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model="skiff", messages=CHAT, n=2)
+    with pytest.raises(openai.NotFoundError) as model:
+        oai.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert model.value.body["code"] == "model_not_found"  # type: ignore[index]
+    conn, resp = _raw(front, "POST", "/v1/nowhere", {})
+    assert resp.status == 404 and json.loads(resp.read())["error"]["code"] == "not_found"
+    conn.close()
+    conn, resp = _raw(front, "GET", "/v1/completions")
+    assert resp.status == 405 and resp.getheader("Allow") == "POST"
+    assert json.loads(resp.read())["error"]["code"] == "method_not_allowed"
+    conn.close()
+
+
+class FakeUpstream:
+    """A ROUTER answering ``ping`` and scripting replies to everything else."""
+
+    def __init__(self, endpoint: str, script: Callable[[dict[str, Any]], list[dict[str, Any]]]):
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.bind(endpoint)
+        self.script = script
+        self.ops: list[str] = []
+        self.running = True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.running:
+            if not self.sock.poll(50):
+                continue
+            peer, raw = self.sock.recv_multipart()
+            req = codec.decode(raw)
+            self.ops.append(req["op"])
+            base = {"v": 1, "id": req["id"]}
+            replies = [{"ok": True, "result": {"pong": True}}]
+            if req["op"] != "ping":
+                replies = self.script(req)
+            for reply in replies:
+                self.sock.send_multipart([peer, codec.encode({**base, **reply})])
+
+    def close(self) -> None:
+        if self.running:
+            self.running = False
+            self.thread.join()
+            self.sock.close(linger=0)
+
+
+def _fail(code: str, retry_ms: int | None = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": f"scripted {code}"}
+    if retry_ms is not None:
+        error["retry_after_ms"] = retry_ms
+    return {"ok": False, "error": error}
+
+
+def _scripted(req: dict[str, Any]) -> list[dict[str, Any]]:
+    prompt = req["args"].get("prompt", "")
+    if prompt == "hang":
+        return []  # never answered: the test takes the upstream away instead
+    if prompt == "midway":
+        token = {"ok": True, "event": "token", "token": 5, "text": "Hi", "position": 3}
+        return [token, _fail("internal")]
+    codes = {"queue": ("queue_full", 1500), "busy": ("lanes_busy", None)}
+    codes |= {"late": ("deadline_exceeded", None), "gone": ("worker_unavailable", None)}
+    return [_fail(*codes[prompt])]
+
+
+def test_status_mapping_with_a_fake_upstream(tmp_path: Path) -> None:
+    fake = FakeUpstream(f"ipc://{tmp_path}/fake.sock", _scripted)
+    http_front = HttpFront(fake.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    http_front.start("127.0.0.1", 0)
+    oai = _client(http_front)
+    try:
+        with pytest.raises(openai.RateLimitError) as full:
+            oai.completions.create(model="skiff", prompt="queue", max_tokens=2)
+        assert full.value.response.headers["Retry-After"] == "2"  # 1500 ms, rounded up
+        assert full.value.body["code"] == "queue_full"  # type: ignore[index]
+        with pytest.raises(openai.RateLimitError) as busy:
+            oai.completions.create(model="skiff", prompt="busy", max_tokens=2, stream=True)
+        assert busy.value.response.headers["Retry-After"] == "1"
+        for prompt, status in (("late", 504), ("gone", 503)):
+            with pytest.raises(openai.APIStatusError) as err:
+                oai.completions.create(model="skiff", prompt=prompt, max_tokens=2)
+            assert err.value.status_code == status
+        stream = oai.completions.create(model="skiff", prompt="midway", max_tokens=2, stream=True)
+        with pytest.raises(openai.APIError, match="scripted internal"):
+            for _chunk in stream:
+                pass
+    finally:
+        http_front.stop()
+        fake.close()
+
+
+def test_lost_upstream_ends_requests_in_flight_with_503(tmp_path: Path) -> None:
+    fake = FakeUpstream(f"ipc://{tmp_path}/fake.sock", _scripted)
+    http_front = HttpFront(fake.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    http_front.start("127.0.0.1", 0)
+    failure: list[openai.APIStatusError] = []
+
+    def ask() -> None:
+        try:
+            _client(http_front).completions.create(model="skiff", prompt="hang", max_tokens=2)
+        except openai.APIStatusError as exc:
+            failure.append(exc)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "generate" not in fake.ops and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the request reached the upstream
+        assert "generate" in fake.ops
+        fake.close()  # the upstream process goes away with the request unanswered
+        asker.join(60)
+        assert not asker.is_alive() and [e.status_code for e in failure] == [503]
+        assert failure[0].body["code"] == "worker_unavailable"  # type: ignore[index]
+    finally:
+        http_front.stop()
+
+
+def test_dead_upstream_is_503_not_a_hang(tmp_path: Path) -> None:
+    nobody = f"ipc://{tmp_path}/nobody.sock"
+    http_front = HttpFront(nobody, health_interval_s=0.1, down_after_s=0.5)
+    http_front.start("127.0.0.1", 0)
+    try:
+        with pytest.raises(openai.InternalServerError) as err:  # in flight when marked down
+            _client(http_front).completions.create(model="skiff", prompt="x", max_tokens=2)
+        assert err.value.status_code == 503
+        conn, resp = _raw(http_front, "GET", "/health")
+        assert resp.status == 503
+        conn.close()
+    finally:
+        http_front.stop()
+
+
+# -- translation units ------------------------------------------------------------------------
+
+
+def test_openai_fields_map_to_skiff_args() -> None:
+    plan = plan_completion(
+        {
+            "model": "m",
+            "prompt": ["only one"],
+            "max_tokens": 5,
+            "top_p": 0.5,
+            "seed": -1,
+            "stop": "END",
+            "presence_penalty": 0.5,
+            "logit_bias": {"7": -100},
+            "logprobs": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        "m",
+    )
+    assert plan.op == "generate" and plan.stream and plan.include_usage
+    assert plan.args["prompt"] == "only one" and plan.args["stop"] == ["END"]
+    assert plan.args["logprobs"] is True and plan.args["top_logprobs"] == 2
+    sampling = plan.args["sampling"]
+    assert sampling["temperature"] == 1.0 and sampling["top_p"] == 0.5  # OpenAI's defaults
+    assert sampling["top_k"] == 0 and sampling["min_p"] == 0.0  # no llama.cpp truncation
+    assert sampling["seed"] == 0xFFFFFFFE  # -1 mod (2^32 - 1): never the random sentinel
+    assert sampling["penalty_last_n"] == -1 and sampling["presence_penalty"] == 0.5
+    assert sampling["logit_bias"] == [{"token": 7, "bias": -100.0}]
+    chat = plan_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            ],
+            "response_format": {"type": "json_object"},
+        },
+        "m",
+        1024,
+    )
+    assert chat.args["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert chat.args["max_tokens"] == 1024 and chat.top_logprobs is None
+    assert chat.args["sampling"]["json_schema"] == {"type": "object"}
+    for body in ({"tools": [{"type": "function"}]}, {"top_logprobs": 2}, {"n": 3}):
+        with pytest.raises(ApiError) as err:
+            plan_chat({"model": "m", "messages": CHAT, **body}, "m", None)
+        assert err.value.status == 400 and err.value.param in body
+
+
+def test_speech_args_shape() -> None:
+    args, fmt = speech_args({"model": "tts-1", "input": "Hi.", "voice": "alloy"})
+    assert fmt == "wav" and args == {"text": "Hi.", "format": "wav"}  # stock voice: default
+    args, fmt = speech_args(
+        {"model": "x", "input": "Hi.", "voice": "en_US-joe-medium", "response_format": "pcm"}
+    )
+    assert fmt == "pcm" and args["format"] == "pcm_s16le" and args["voice"] == "en_US-joe-medium"
+    for bad in ({"response_format": "mp3"}, {"speed": 9}, {"input": ""}):
+        with pytest.raises(ApiError) as err:
+            speech_args({"model": "x", "input": "Hi.", "voice": "alloy", **bad})
+        assert err.value.status == 400
+
+
+# -- speech against the real speech worker ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speech_front(
+    worker: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[HttpFront]:
+    tmp = tmp_path_factory.mktemp("speech")
+    endpoint = f"ipc://{tmp}/speech.sock"
+    log = (tmp / "speech.log").open("wb")
+    cmd = [sys.executable, "-m", "worker.speech.cli", "--bind", endpoint, "--threads", "1"]
+    proc = subprocess.Popen([*cmd, "--log-format", "json"], cwd=ROOT, stderr=log)
+    with Client(endpoint) as probe:
+        probe.wait_ready(90, alive=lambda: proc.poll() is None)
+    http_front = HttpFront(worker[0], speech_upstream=endpoint)
+    http_front.start("127.0.0.1", 0)
+    yield http_front
+    http_front.stop()
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_audio_speech_wav_and_pcm(speech_front: HttpFront) -> None:
+    oai = _client(speech_front)
+    wav = oai.audio.speech.create(
+        model="tts-1", voice="alloy", input="Hello there.", response_format="wav"
+    )
+    assert wav.response.headers["Content-Type"] == "audio/wav"
+    with wave.open(io.BytesIO(wav.content)) as clip:
+        assert clip.getframerate() == 22050 and clip.getnchannels() == 1
+        assert clip.getnframes() > 22050 // 4  # a quarter second at least
+    with oai.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alloy", input="Hello there. Goodbye now.", response_format="pcm"
+    ) as pcm:
+        assert pcm.headers["Content-Type"] == "audio/pcm"
+        assert pcm.headers["X-Sample-Rate"] == "22050"
+        audio = b"".join(pcm.iter_bytes())
+    assert len(audio) % 2 == 0 and len(audio) > 22050  # s16le, over half a second
+    with pytest.raises(openai.BadRequestError):
+        oai.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="mp3")
