@@ -2,6 +2,7 @@
 
     skiff-loadtest --endpoint ipc:///tmp/w.sock --concurrency 4 --requests 40
     skiff-loadtest --endpoint tcp://127.0.0.1:5555 --rate 2 --duration 30 --json out.json
+    skiff-loadtest --endpoint http://127.0.0.1:8000 --concurrency 8 --requests 64
 
 Closed loop (``--concurrency N``) or open loop (``--rate R``, Poisson
 arrivals); bounded by ``--requests`` and/or ``--duration`` (100 requests when
@@ -32,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint",
         action="append",
         default=None,
-        help="worker endpoint; repeat for several (requests go round-robin) "
+        help="worker or gateway endpoint (ZeroMQ), or http://HOST:PORT for an "
+        "OpenAI-compatible front; repeat for several (requests go round-robin) "
         "[default tcp://127.0.0.1:5555]",
     )
     mode = p.add_mutually_exclusive_group()

@@ -6,7 +6,9 @@ times of mean ``rate`` per second whatever is still in flight. Both stop by
 themselves: after ``requests`` requests and/or once ``duration_s`` passed
 (no new request starts after that; those in flight finish, each bounded by
 ``timeout_ms``). Requests go round-robin over the endpoints, one shared
-``AsyncClient`` per endpoint.
+``AsyncClient`` per ZeroMQ endpoint; an ``http://`` endpoint is an
+OpenAI-compatible front (the gateway's ``--http``), driven with streamed
+``/v1/completions`` through one shared aiohttp session (``loadtest.http``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from protocol import AsyncClient, SkiffError
 
+from .http import completion_body, one_http_request
 from .prompts import Prompt, builtin_prompts
 from .stats import RequestRecord, poisson_arrivals, summarize
 
@@ -156,7 +160,16 @@ async def run_load_async(cfg: LoadConfig) -> dict[str, Any]:
     prompts: Sequence[Prompt] = cfg.prompts if cfg.prompts is not None else builtin_prompts()
     slack_ms = int(_CLIENT_SLACK_S * 1e3)
     timeout_ms = cfg.timeout_ms + slack_ms if cfg.timeout_ms else 120_000
-    clients = [AsyncClient(ep, timeout_ms=timeout_ms) for ep in cfg.endpoints]
+    clients = [
+        None if is_http(ep) else AsyncClient(ep, timeout_ms=timeout_ms) for ep in cfg.endpoints
+    ]
+    http = (
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        )
+        if any(c is None for c in clients)
+        else None
+    )
     records: list[RequestRecord] = []
     bar = tqdm(
         total=cfg.requests,
@@ -179,8 +192,14 @@ async def run_load_async(cfg: LoadConfig) -> dict[str, Any]:
 
     def start(i: int, t0: float) -> asyncio.Task[RequestRecord]:
         k = i % len(clients)
-        coro = one_request(clients[k], cfg, i, cfg.endpoints[k], prompts[i % len(prompts)], t0)
-        return asyncio.create_task(coro)
+        client, prompt = clients[k], prompts[i % len(prompts)]
+        if client is None:
+            assert http is not None
+            body = completion_body(prompt, cfg.max_tokens, cfg.ignore_eos, cfg.sampling)
+            return asyncio.create_task(
+                one_http_request(http, body, i, cfg.endpoints[k], t0, cfg.timeout_ms)
+            )
+        return asyncio.create_task(one_request(client, cfg, i, cfg.endpoints[k], prompt, t0))
 
     t0 = time.perf_counter()
     stop_at = None if cfg.duration_s is None else t0 + cfg.duration_s
@@ -219,9 +238,17 @@ async def run_load_async(cfg: LoadConfig) -> dict[str, Any]:
     finally:
         bar.close()
         for client in clients:
-            await client.close()
+            if client is not None:
+                await client.close()
+        if http is not None:
+            await http.close()
     records.sort(key=lambda r: r.index)
     return summarize(records, wall, cfg.describe())
+
+
+def is_http(endpoint: str) -> bool:
+    """An OpenAI-compatible HTTP front rather than a ZeroMQ endpoint."""
+    return endpoint.startswith(("http://", "https://"))
 
 
 def run_load(cfg: LoadConfig | None = None, /, **kwargs: Any) -> dict[str, Any]:
