@@ -120,6 +120,30 @@ def test_eight_sessions_batched_through_a_chain_match_one_worker(
     assert float(np.max(np.abs(got_logits - want_logits))) == 0.0
 
 
+def _signals(client: Client, session: str, tokens: list[int], steps: int) -> list[Any]:
+    """Every step's ``signal`` and the final ``signal_window`` of a greedy run."""
+    out = [client.prefill_sampled(session, tokens)["token"]]
+    seen = [client.call("signal", session).result]
+    for _ in range(steps):
+        out.append(int(client.decode(session, out[-1])["token"]))
+        seen.append(client.call("signal", session).result)
+    seen.append(client.call("signal_window", session, {"window_tokens": 4}).result)
+    client.drop(session)
+    return seen
+
+
+def test_signals_come_from_the_last_stage_and_equal_one_worker(
+    client: Client, chain2: tuple[str, str, Path]
+) -> None:
+    tokens = client.tokenize(PROMPT)
+    want = _signals(client, "sig_full", tokens, 6)
+    with Client(chain2[0], timeout_ms=120_000) as head:
+        assert _signals(head, "sig_chain", tokens, 6) == want
+        with pytest.raises(SkiffError) as err:
+            head.call("signal", "nobody")
+        assert err.value.code == "session_not_active"
+
+
 def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:
     args = ("--lanes", "2", "--ctx", "4096")
     p2, e2, _ = start_worker(tmp_path, *args, "--layers", "12:18", name="t2")
@@ -130,8 +154,11 @@ def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:
         want = _run(client, "three_full", tokens, 8)
         with Client(e0, timeout_ms=120_000) as head:
             got = _run(head, "three", tokens, 8)
+            # asked through the middle stage, answered by the last
+            got_signals = _signals(head, "three_sig", tokens, 3)
         assert got[0] == want[0]
         assert float(np.max(np.abs(got[1] - want[1]))) == 0.0
+        assert got_signals == _signals(client, "three_sig_full", tokens, 3)
     finally:
         for p in (p0, p1, p2):
             stop_worker(p)

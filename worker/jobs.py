@@ -21,7 +21,6 @@ from faults import BadRequest, Cancelled, ContextOverflow, LanesBusy
 
 from .engine import ROW_INVARIANT_ROWS
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
-from .runtime.signals import window_summary
 from .runtime.state import grid_split
 from .spec import SamplerSpec
 from .ticket import Tensors, Ticket
@@ -365,14 +364,8 @@ class SessionOpJob(Job):
         elif self.op == "align":
             before, after = rt.align(sid, self.token_count)
             self.ticket.reply({"before": before, "after": after})
-        elif self.op == "signal":
-            session = rt.lanes.require(sid)
-            if not session.signals:
-                raise BadRequest(f"session {str(sid)!r} has no sampled token yet")
-            self.ticket.reply(session.signals[-1].as_dict())
-        elif self.op == "signal_window":
-            session = rt.lanes.require(sid)
-            self.ticket.reply(window_summary(session.signals, self.token_count))
+        elif self.op in ("signal", "signal_window"):
+            self.ticket.reply(rt.signals(sid, self.op, self.token_count))
         else:
             rt.drop(sid)
             self.ticket.reply({})

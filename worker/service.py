@@ -189,6 +189,8 @@ class LlmService:
 
 # Ops a stage that is not the first serves (its peer is the previous stage).
 _DOWNSTREAM_OPS = {
+    "signal",
+    "signal_window",
     "ping",
     "info",
     "stats",
@@ -201,7 +203,8 @@ _DOWNSTREAM_OPS = {
     "detokenize",
 }
 # Ops the head of a chain cannot serve: they need this process's logits or all the KV.
-_NOT_ON_CHAIN = {"verify", "signal", "signal_window", "export_state", "import_state"}
+# signal / signal_window are asked of the last stage (where the logits are).
+_NOT_ON_CHAIN = {"verify", "export_state", "import_state"}
 
 
 def allowed(op: str, stage: StagePlan | None) -> bool:

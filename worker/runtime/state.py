@@ -27,7 +27,7 @@ from ..engine import Engine, Sampler, SamplerError, Segment, greedy_token
 from ..spec import SamplerSpec
 from .chain import Flight, forward_chain, launch_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
-from .signals import logprobs_of, signal_of
+from .signals import logprobs_of, signal_of, window_summary
 from .steps import Step, StepResult
 from .tail import Tail
 
@@ -296,6 +296,19 @@ class RuntimeState:
             for i, result in zip(indices, self._forward_group(part, hidden), strict=True):
                 results[i] = result
         return results
+
+    def signals(self, session_id: SessionId, op: str, window_tokens: int = 0) -> dict[str, Any]:
+        """``signal`` (the last sampled token's) or ``signal_window``; a stage
+        without the last layer asks the next stage, where sampling happens."""
+        session = self.lanes.require(session_id)
+        if self.tail is not None:
+            return self.tail.session_query(op, str(session_id), window_tokens)
+        if op == "signal_window":
+            return window_summary(session.signals, window_tokens)
+        if not session.signals:
+            raise BadRequest(f"session {str(session_id)!r} has no sampled token yet")
+        last: dict[str, Any] = session.signals[-1].as_dict()
+        return last
 
     # -- forwards through a pipeline chain, asynchronously ----------------------------
 

@@ -69,3 +69,7 @@ class Tail(Protocol):
     def session_op(self, op: str, session: str, token_count: int = 0) -> None:
         """Repeat a trim / drop downstream so every stage's cells agree."""
         ...
+
+    def session_query(self, op: str, session: str, window_tokens: int = 0) -> dict[str, Any]:
+        """Ask ``signal`` / ``signal_window`` of the stage that samples."""
+        ...

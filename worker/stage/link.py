@@ -130,6 +130,12 @@ class StageLink:
                 raise
             _log.warning("stage_drop_lost", session=session, error=exc.message)
 
+    def session_query(self, op: str, session: str, window_tokens: int = 0) -> dict[str, Any]:
+        args = {"window_tokens": window_tokens} if op == "signal_window" else None
+        header, _ = self._call(op, session, args, [], timeout_ms=_SESSION_OP_MS)
+        value = header.get("result")
+        return value if isinstance(value, dict) else {}
+
     def info(self) -> dict[str, Any]:
         header, _ = self._call("info", None, None, [], timeout_ms=5_000)
         value = header.get("result")
