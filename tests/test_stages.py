@@ -74,7 +74,7 @@ def test_chain_info_and_stage_refusals(chain2: tuple[str, str, Path]) -> None:
             tail.prefill("x", [2, 3, 4])
         assert err.value.code == "unsupported" and "stage 0" in err.value.message
         with pytest.raises(SkiffError) as err:
-            head.call("verify", "v", {"tokens": [2, 3]})
+            head.export_state("nobody")
         assert err.value.code == "unsupported"
 
 
@@ -142,6 +142,44 @@ def test_signals_come_from_the_last_stage_and_equal_one_worker(
         with pytest.raises(SkiffError) as err:
             head.call("signal", "nobody")
         assert err.value.code == "session_not_active"
+
+
+def _verify(client: Client, session: str, prompt: list[int], sampling: Any) -> list[Any]:
+    """Greedy reference, then verify spans (right, wrong, past the 7-row piece)."""
+    t0 = client.prefill_sampled(session, prompt)["token"]
+    ref = [t0]
+    for _ in range(10):
+        ref.append(client.decode(session, ref[-1])["token"])
+    client.trim(session, len(prompt))
+    args: dict[str, Any] = {} if sampling is None else {"sampling": sampling}
+    wrong = (ref[3] + 1) % 262144
+    out = [
+        client.call("verify", session, {"tokens": [t0, *ref[1:3], wrong, ref[4]], **args}).result,
+        client.call("verify", session, {"tokens": ref[3:11], "trim": False, **args}).result,
+    ]
+    client.drop(session)
+    return out
+
+
+SAMPLED = {"temperature": 0.8, "seed": 7}
+
+
+def test_verify_and_speculation_through_a_chain_equal_one_worker(
+    client: Client, chain2: tuple[str, str, Path]
+) -> None:
+    """verify's rows (and a speculative step's) are sampled on the last
+    stage by the same rule a whole worker uses, so the replies match."""
+    prompt = client.tokenize(PROMPT)
+    spec = {"mode": "prompt_lookup", "max_draft": 6, "ngram": 2}
+    text = "one two three four, one two three four, one two three four, one two"
+    gen: dict[str, Any] = {"prompt": text, "max_tokens": 24, "speculative": spec, "stream": False}
+    with Client(chain2[0], timeout_ms=120_000) as head:
+        for sampling in (None, SAMPLED):
+            assert _verify(head, "vc", prompt, sampling) == _verify(client, "vf", prompt, sampling)
+        got = head.call("generate", None, gen).result
+    want = client.call("generate", None, gen).result
+    assert got["tokens"] == want["tokens"]
+    assert got["speculative"]["accepted"] == want["speculative"]["accepted"] > 0
 
 
 def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:

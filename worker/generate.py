@@ -25,8 +25,9 @@ from faults import BadRequest
 from .engine import ROW_INVARIANT_ROWS
 from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds, on_grid, tensors_of_rows
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
+from .runtime.rows import RowRule
 from .spec import SamplerSpec
-from .speculative import Drafter, accept
+from .speculative import Drafter
 from .ticket import Ticket
 
 
@@ -122,6 +123,15 @@ class GenerateJob(Job):
                 return []
             self.drafts = self._draft(rt, budget)  # sized to fit the budget
             span = [self.next_token, *self.drafts]
+            rule = (
+                RowRule(
+                    tuple(self.drafts),
+                    stop_tokens=tuple(sorted(self.stop_tokens)),
+                    stop_eog=not self.ignore_eos,
+                )
+                if self.drafts
+                else None
+            )
             return [
                 Step(
                     session,
@@ -131,6 +141,7 @@ class GenerateJob(Job):
                     all_rows=bool(self.drafts),
                     top_logprobs=self.top_logprobs,
                     outputs=self.outputs,
+                    rule=rule,
                 )
             ]
         total = len(self.tokens)
@@ -178,22 +189,11 @@ class GenerateJob(Job):
             assert token is not None
             self._row = results[0] if self.outputs else None
             return self._take_all(rt, [token], session.position, [results[0].logprobs])
-        # Speculative step: the span [next, d1..dk] is in the KV cache.
-        rows = results[0].rows
-        assert rows is not None
-        start = session.position - len(rows)
-
-        def stop(tok: int) -> bool:
-            return tok in self.stop_tokens or (not self.ignore_eos and rt.engine.is_eog(tok))
-
-        infos: list[dict[str, Any] | None] = []
-
-        def sample(i: int) -> int:
-            token = rt.sample_row(session, self.spec, rows[i], self.top_logprobs)
-            infos.append(session.last_logprobs if self.top_logprobs is not None else None)
-            return token
-
-        tokens = accept(self.drafts, sample, stop)
+        # Speculative step: the span [next, d1..dk] is in the KV cache, its
+        # rows sampled by the step's RowRule (here or on a pipeline's last stage).
+        tokens, infos = results[0].row_tokens, results[0].row_logprobs
+        assert tokens is not None and infos is not None
+        start = session.position - len(self.drafts) - 1
         self.drafted += len(self.drafts)
         self.accepted += len(tokens) - 1
         if start + len(tokens) < session.position:

@@ -209,8 +209,6 @@ def _speculative(app: App, args: dict[str, Any]) -> Drafter | None:
         return None
     if not isinstance(raw, dict):
         raise BadRequest("speculative must be a map")
-    if app.rt.tail is not None:
-        raise Unsupported("speculative decoding is not served by a pipeline of stages")
     mode = raw.get("mode")
     if mode not in ("prompt_lookup", "draft_model"):
         raise BadRequest("speculative.mode must be 'prompt_lookup' or 'draft_model'")

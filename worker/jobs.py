@@ -21,6 +21,7 @@ from faults import BadRequest, Cancelled, ContextOverflow, LanesBusy
 
 from .engine import ROW_INVARIANT_ROWS
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
+from .runtime.rows import RowRule
 from .runtime.state import grid_split
 from .spec import SamplerSpec
 from .ticket import Tensors, Ticket
@@ -427,7 +428,11 @@ class VerifyJob(Job):
         part = self.tokens[self.done : self.done + n]
         if self.settled:
             return [Step(self.session, part)]
-        return [Step(self.session, part, False, self.spec, all_rows=True)]
+        # row k predicts the token after part[k]: checked against the span's next
+        greedy = self.spec is None or self.spec.greedy
+        checks = tuple(self.tokens[self.done + 1 : self.done + n + 1])
+        rule = RowRule(checks, until_mismatch=not greedy)
+        return [Step(self.session, part, False, self.spec, all_rows=True, rule=rule)]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         session = self.session
@@ -435,9 +440,7 @@ class VerifyJob(Job):
         first = self.done
         self.done += self.inflight
         if not self.settled:
-            rows = results[0].rows
-            assert rows is not None
-            self._score(rt, session, first, rows)
+            self._score(first, results[0].row_tokens)
         if self.done < len(self.tokens) and not (self.settled and self.trim):
             return False
         drafts = self.tokens[1:]
@@ -454,16 +457,15 @@ class VerifyJob(Job):
         )
         return True
 
-    def _score(self, rt: RuntimeState, session: Session, first: int, rows: list[int]) -> None:
-        """Predictions after tokens ``first ..`` of the span, from this piece's rows."""
+    def _score(self, first: int, tokens: list[int] | None) -> None:
+        """Predictions after tokens ``first ..`` of the span, sampled from this
+        piece's rows by its ``RowRule`` (here, or on a pipeline's last stage)."""
+        assert tokens is not None
         drafts = self.tokens[1:]
-        if self.spec is None or self.spec.greedy:
-            self.predicted += [rt.sample_row(session, None, row) for row in rows]
-            return
-        for k, row in enumerate(rows):
+        greedy = self.spec is None or self.spec.greedy
+        for k, token in enumerate(tokens):
             i = first + k  # prediction i is checked against drafts[i]
-            token = rt.sample_row(session, self.spec, row)
             self.predicted.append(token)
-            if i == len(drafts) or token != drafts[i]:
+            if not greedy and (i == len(drafts) or token != drafts[i]):
                 self.settled = True
                 return

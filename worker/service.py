@@ -203,8 +203,9 @@ _DOWNSTREAM_OPS = {
     "detokenize",
 }
 # Ops the head of a chain cannot serve: they need this process's logits or all the KV.
-# signal / signal_window are asked of the last stage (where the logits are).
-_NOT_ON_CHAIN = {"verify", "export_state", "import_state"}
+# signal / signal_window are asked of the last stage (where the logits are);
+# verify and speculative rows are sampled there (runtime.rows.RowRule).
+_NOT_ON_CHAIN = {"export_state", "import_state"}
 
 
 def allowed(op: str, stage: StagePlan | None) -> bool:

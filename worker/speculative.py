@@ -6,16 +6,21 @@ followed it. It needs no extra model and shines on edits of given text.
 
 Acceptance is exact: the target samples position by position and a draft
 token is kept only while it equals what the target itself produced, so the
-output is the output without speculation (up to batch-shape numerics).
+output is the output without speculation (up to batch-shape numerics). The
+rule itself (``accept``) lives in ``runtime.rows``, where the rows are
+sampled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+__all__ = ["DraftModel", "Drafter", "PromptLookup", "accept", "lookup_draft"]
+
 from .runtime import DraftRuntime, Session
+from .runtime.rows import accept
 
 
 def lookup_draft(history: Sequence[int], ngram: int, max_draft: int) -> list[int]:
@@ -29,26 +34,6 @@ def lookup_draft(history: Sequence[int], ngram: int, max_draft: int) -> list[int
             follow = history[start + ngram : start + ngram + max_draft]
             return list(follow)
     return []
-
-
-def accept(
-    drafts: Sequence[int], sample: Callable[[int], int], stop: Callable[[int], bool]
-) -> list[int]:
-    """Sample position by position while the drafts agree.
-
-    ``sample(i)`` gives the target's token after the span's first ``i + 1``
-    tokens. Returns the target's tokens: every matching draft plus the first
-    token where the target disagrees (or the bonus token after all drafts).
-    Sampling stops at the first mismatch or stop token so a stateful sampler
-    (RNG, penalties) consumes exactly what non-speculative decoding would.
-    """
-    out: list[int] = []
-    for i in range(len(drafts) + 1):
-        token = sample(i)
-        out.append(token)
-        if i == len(drafts) or token != drafts[i] or stop(token):
-            break
-    return out
 
 
 class Drafter(Protocol):

@@ -17,6 +17,7 @@ from faults import BadRequest, ContextOverflow, SessionNotActive
 from protocol.envelope import Op
 
 from .handlers import App, Handler, next_ephemeral, session_entries
+from .runtime.rows import RowRule
 from .tensor_jobs import (
     POOLINGS,
     EmbedJob,
@@ -151,6 +152,8 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
                 get_bool(entry, "capture_all", False),
                 top,
                 rows[row : row + n],
+                get_bool(entry, "all_rows", False),
+                _row_rule(app, entry.get("rule"), i, n),
             )
         )
         row += n
@@ -160,6 +163,43 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
         raise BadRequest(f"forward_frame carries {row} rows; one forward takes {app.cfg.budget}")
     app.submit(StageForwardJob(app.ticket(req), steps))
     return None
+
+
+def _row_rule(app: App, raw: Any, i: int, n: int) -> RowRule | None:
+    """A step's ``rule``: how the stage holding the logits samples its rows."""
+    if raw is None:
+        return None
+    where = f"steps[{i}].rule"
+    if not isinstance(raw, dict) or set(raw) != {
+        "checks",
+        "until_mismatch",
+        "stop_tokens",
+        "stop_eog",
+    }:
+        raise BadRequest(f"{where} must be a map of checks, until_mismatch, stop_tokens, stop_eog")
+    lists = {}
+    for key in ("checks", "stop_tokens"):
+        value = raw[key]
+        if not isinstance(value, list) or not all(
+            type(t) is int and 0 <= t < app.n_vocab for t in value
+        ):
+            raise BadRequest(f"{where}.{key} must be a list of token ids")
+        lists[key] = tuple(value)
+    if len(lists["checks"]) > n:
+        raise BadRequest(f"{where}.checks has more tokens than the step's {n} rows")
+    return RowRule(
+        lists["checks"],
+        until_mismatch=_flag(raw, "until_mismatch", where),
+        stop_tokens=lists["stop_tokens"],
+        stop_eog=_flag(raw, "stop_eog", where),
+    )
+
+
+def _flag(raw: dict[str, Any], key: str, where: str) -> bool:
+    value = raw[key]
+    if type(value) is not bool:
+        raise BadRequest(f"{where}.{key} must be a boolean")
+    return value
 
 
 TENSOR_HANDLERS: dict[str, Handler] = {

@@ -18,6 +18,7 @@ from faults import BadRequest, LanesBusy
 from .jobs import PHASE_ATOMIC, Job, PrefillJob
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.portable import export_session, import_session
+from .runtime.rows import RowRule
 from .spec import SamplerSpec
 from .ticket import Tensors, Ticket
 
@@ -117,6 +118,8 @@ class StageStep:
     capture_all: bool
     top_logprobs: int | None
     rows: np.ndarray
+    all_rows: bool = False
+    rule: RowRule | None = None
 
 
 class StageForwardJob(Job):
@@ -171,6 +174,8 @@ class StageForwardJob(Job):
                 top_logprobs=s.top_logprobs,
                 capture_all=s.capture_all,
                 embd=s.rows,
+                all_rows=s.all_rows,
+                rule=s.rule,
             )
             for session, s in zip(self.bound, self.steps, strict=True)
         ]
@@ -184,6 +189,9 @@ class StageForwardJob(Job):
                 item["logprobs"] = result.logprobs
             if result.error is not None:
                 item["error"] = result.error.message
+            if result.row_tokens is not None:
+                item["row_tokens"] = result.row_tokens
+                item["row_logprobs"] = result.row_logprobs
             for name in ("hidden", "logits"):
                 array = getattr(result, name)
                 if array is not None:

@@ -77,6 +77,8 @@ def launch_chain(rt: ChainHost, steps: Sequence[Step]) -> int:
             outputs=s.outputs,
             capture_all=s.capture_all,
             top_logprobs=s.top_logprobs,
+            all_rows=s.all_rows,
+            rule=s.rule,
         )
         for s in steps
     ]
@@ -100,6 +102,9 @@ def land_chain(
     results: list[StepResult] = []
     for step, reply in zip(steps, replies, strict=True):
         result = StepResult(token=reply.token, logprobs=reply.logprobs)
+        result.row_tokens, result.row_logprobs = reply.row_tokens, reply.row_logprobs
+        if reply.row_tokens:
+            step.session.last_token = reply.row_tokens[-1]
         if reply.error is not None:
             result.error = BadRequest(reply.error)
         result.logits = reply.parts.get("logits")

@@ -27,6 +27,7 @@ from ..engine import Engine, Sampler, SamplerError, Segment, greedy_token
 from ..spec import SamplerSpec
 from .chain import Flight, forward_chain, launch_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
+from .rows import accept
 from .signals import logprobs_of, signal_of, window_summary
 from .steps import Step, StepResult
 from .tail import Tail
@@ -414,11 +415,34 @@ class RuntimeState:
         session = step.session
         if step.all_rows:
             result.rows = [self.engine.output_index(index, k) for k in range(len(step.tokens))]
+            if step.rule is not None:
+                self._sample_rows(step, result, result.rows)
         elif step.sample:
             row = self.engine.output_index(index)
             result.token = self.sample_row(session, step.spec, row, step.top_logprobs)
             if step.top_logprobs is not None:
                 result.logprobs = session.last_logprobs
+
+    def _sample_rows(self, step: Step, result: StepResult, rows: list[int]) -> None:
+        """Walk an ``all_rows`` step's rows by its ``RowRule`` (see ``runtime.rows``)."""
+        rule = step.rule
+        assert rule is not None
+        session = step.session
+        infos: list[dict[str, Any] | None] = []
+
+        def sample(k: int) -> int:
+            token = self.sample_row(session, step.spec, rows[k], step.top_logprobs)
+            infos.append(session.last_logprobs if step.top_logprobs is not None else None)
+            return token
+
+        def stop(token: int) -> bool:
+            return token in rule.stop_tokens or (rule.stop_eog and self.engine.is_eog(token))
+
+        if rule.until_mismatch:
+            result.row_tokens = accept(rule.checks, sample, stop, rows=len(rows))
+        else:
+            result.row_tokens = [sample(k) for k in range(len(rows))]
+        result.row_logprobs = infos
 
     def reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None:
         advanced: dict[str, int] = {}

@@ -12,6 +12,7 @@ from faults import BadRequest
 
 from ..spec import SamplerSpec
 from .lanes import Session
+from .rows import RowRule
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Step:
     grid: bool = False  # a whole grid piece of a prompt prefilled from position 0
     capture_all: bool = False  # ``outputs`` for every token of the step
     embd: np.ndarray | None = None
+    rule: RowRule | None = None  # ``all_rows``: sample the rows by this rule (``row_tokens``)
 
     @property
     def wants_hidden(self) -> bool:
@@ -56,3 +58,5 @@ class StepResult:
     rows: list[int] | None = None  # batch rows of every token (``all_rows``)
     logprobs: dict[str, Any] | None = None
     error: BadRequest | None = None  # this step's sampling failed
+    row_tokens: list[int] | None = None  # ``rule``: the rows' sampled tokens, in order
+    row_logprobs: list[dict[str, Any] | None] | None = None  # per row token (top_logprobs)

@@ -20,6 +20,8 @@ import numpy as np
 
 from faults import Fault
 
+from .rows import RowRule
+
 
 @dataclass
 class TailStep:
@@ -33,12 +35,16 @@ class TailStep:
     outputs: tuple[str, ...] = ()
     capture_all: bool = False
     top_logprobs: int | None = None
+    all_rows: bool = False  # every row scored (verify, speculation) ...
+    rule: RowRule | None = None  # ... and sampled by this rule where the logits are
 
 
 @dataclass
 class TailResult:
     token: int | None = None
     logprobs: dict[str, Any] | None = None
+    row_tokens: list[int] | None = None  # an ``all_rows`` step's, by its rule
+    row_logprobs: list[dict[str, Any] | None] | None = None
     error: str | None = None  # this step's sampling failed (bad_request)
     parts: dict[str, np.ndarray] = field(default_factory=dict)  # captured rows
 

@@ -96,6 +96,8 @@ class StageLink:
                     "capture_all": s.capture_all,
                     "top_logprobs": s.top_logprobs,
                 }
+                | ({"all_rows": True} if s.all_rows else {})
+                | ({"rule": s.rule.to_wire()} if s.rule is not None else {})
                 for s in steps
             ],
         }
@@ -283,6 +285,8 @@ def _results(reply: dict[str, Any], buffers: list[memoryview], steps: int) -> li
                 logprobs=item.get("logprobs"),
                 error=item.get("error"),
                 parts=mine,
+                row_tokens=item.get("row_tokens"),
+                row_logprobs=item.get("row_logprobs"),
             )
         )
     return out
