@@ -74,7 +74,7 @@ def test_chain_info_and_stage_refusals(chain2: tuple[str, str, Path]) -> None:
             tail.prefill("x", [2, 3, 4])
         assert err.value.code == "unsupported" and "stage 0" in err.value.message
         with pytest.raises(SkiffError) as err:
-            head.export_state("nobody")
+            head.call("forward_frame", None, {})
         assert err.value.code == "unsupported"
 
 
@@ -180,6 +180,43 @@ def test_verify_and_speculation_through_a_chain_equal_one_worker(
     want = client.call("generate", None, gen).result
     assert got["tokens"] == want["tokens"]
     assert got["speculative"]["accepted"] == want["speculative"]["accepted"] > 0
+
+
+def test_a_session_moves_between_chains_and_continues_exactly(
+    client: Client, chain2: tuple[str, str, Path]
+) -> None:
+    """export_state gathers every stage's cells (and the last stage's
+    sampler); import_state on another chain of the same split rebuilds the
+    session on each stage, and decoding on continues as on one worker. A
+    whole-model state does not load into a chain."""
+    tokens = _long_prompt(client, 600)  # past the 512-token window
+    want, _ = _run(client, "mig_full", tokens, 6)
+    args = ("--lanes", "2", "--ctx", "4096")
+    tmp = chain2[2]
+    p1, e1, _ = start_worker(tmp, *args, "--layers", "9:18", name="m1")
+    p0, e0, _ = start_worker(tmp, *args, "--layers", "0:9", "--next", e1, name="m0")
+    try:
+        with Client(chain2[0], timeout_ms=120_000) as a, Client(e0, timeout_ms=120_000) as b:
+            first = a.prefill_sampled("mig", tokens)["token"]
+            second = a.decode("mig", first)["token"]
+            exported = a.export_state("mig")
+            assert exported.frame.identities == ("kv_state", "kv_state.1")
+            b.import_state("mig", exported)
+            a.drop("mig")
+            out = [first, second]
+            for _ in range(5):
+                out.append(b.decode("mig", out[-1])["token"])
+            assert out == want
+            b.drop("mig")
+            client.prefill("whole", tokens[:20])
+            with pytest.raises(SkiffError) as err:
+                b.import_state("whole", client.export_state("whole"))
+            assert err.value.code == "bad_request"
+            client.drop("whole")
+            assert b.stats()["lanes"]["active"] == 0
+    finally:
+        stop_worker(p0)
+        stop_worker(p1)
 
 
 def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:

@@ -189,6 +189,8 @@ class LlmService:
 
 # Ops a stage that is not the first serves (its peer is the previous stage).
 _DOWNSTREAM_OPS = {
+    "export_state",
+    "import_state",
     "signal",
     "signal_window",
     "ping",
@@ -204,8 +206,9 @@ _DOWNSTREAM_OPS = {
 }
 # Ops the head of a chain cannot serve: they need this process's logits or all the KV.
 # signal / signal_window are asked of the last stage (where the logits are);
-# verify and speculative rows are sampled there (runtime.rows.RowRule).
-_NOT_ON_CHAIN = {"export_state", "import_state"}
+# verify and speculative rows are sampled there (runtime.rows.RowRule);
+# export_state / import_state gather every stage's cells.
+_NOT_ON_CHAIN: set[str] = set()
 
 
 def allowed(op: str, stage: StagePlan | None) -> bool:

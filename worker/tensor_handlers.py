@@ -77,9 +77,14 @@ def h_import_state(app: App, req: Request) -> dict[str, Any] | None:
     if not isinstance(meta, dict):
         raise BadRequest("session_state must be a map (export_state's result)")
     frame = get_frame(args, "frame", req.buffers)
-    if frame.identities != ("kv_state",) or frame.part("kv_state").dtype != "u8":
-        raise BadRequest("frame must carry exactly one u8 part, identity 'kv_state'")
+    names = ("kv_state", *(f"kv_state.{i + 1}" for i in range(len(frame.identities) - 1)))
+    if frame.identities != names or any(p.dtype != "u8" for p in frame.parts):
+        raise BadRequest(
+            "frame must carry u8 parts 'kv_state' (and 'kv_state.1', ... for the stages "
+            "below, in order)"
+        )
     kv = frame.array("kv_state").reshape(-1)
+    below = [frame.array(name).reshape(-1) for name in names[1:]]
     raw = meta.get("sampler")
     spec = None
     if isinstance(raw, dict):
@@ -88,7 +93,7 @@ def h_import_state(app: App, req: Request) -> dict[str, Any] | None:
             "session_state.sampler.spec",
             grammars=app.grammars,
         )
-    app.submit(ImportStateJob(app.ticket(req), session, meta, kv, spec))
+    app.submit(ImportStateJob(app.ticket(req), session, meta, kv, spec, below))
     return None
 
 

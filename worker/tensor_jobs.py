@@ -65,17 +65,28 @@ class EmbedJob(PrefillJob):
 
 
 class ExportStateJob(Job):
-    """The session's KV cells and what it needs to continue (it stays here)."""
+    """The session's KV cells and what it needs to continue (it stays here).
+
+    A pipeline stage exports its own cells and asks the next stage for its
+    own (recursively): ``kv_state`` is this stage's, ``kv_state.N`` the N-th
+    stage below, and ``session_state.downstream`` their metadata in order
+    (the sampler travels in the last stage's, where sampling happens).
+    """
 
     def start(self, rt: RuntimeState) -> bool:
         meta, kv = export_session(rt, self.sessions[0])
+        parts = {"kv_state": kv}
+        if rt.tail is not None:
+            metas, kvs = rt.tail.export_state(str(self.sessions[0]))
+            meta["downstream"] = metas
+            parts |= {f"kv_state.{i + 1}": part for i, part in enumerate(kvs)}
         tensors = Tensors(
-            {"kv_state": kv},
+            parts,
             None,
             1,
             0,
             rt.n_layer,
-            axes={"kv_state": -1},
+            axes={name: -1 for name in parts},
             token_count=int(meta["position"]),
         )
         self.ticket.reply({"session_state": meta}, tensors)
@@ -92,15 +103,33 @@ class ImportStateJob(Job):
         meta: dict[str, Any],
         kv: np.ndarray,
         sampler_spec: SamplerSpec | None,
+        below: list[np.ndarray] | None = None,
     ) -> None:
         super().__init__(ticket, [session])
         self.meta = meta
         self.kv = kv
         self.sampler_spec = sampler_spec
+        self.below = below or []  # the KV states of the stages below (a pipeline)
 
     def start(self, rt: RuntimeState) -> bool:
-        session = import_session(rt, self.sessions[0], self.meta, self.kv, self.sampler_spec)
+        downstream = self.meta.get("downstream") or []
+        if (rt.tail is not None) != bool(downstream) or len(downstream) != len(self.below):
+            raise BadRequest(
+                "session_state.downstream must hold one state per stage below this one "
+                f"(the state has {len(downstream)}, this chain needs "
+                f"{'at least 1' if rt.tail is not None else 0})"
+            )
+        sid = self.sessions[0]
+        session = import_session(rt, sid, self.meta, self.kv, self.sampler_spec)
         self.kv = np.empty(0, dtype=np.uint8)  # release the request's buffer
+        if rt.tail is not None:
+            try:
+                rt.tail.import_state(str(sid), downstream, self.below)
+            except BaseException:
+                rt.drop(sid)  # the stages below refused it: leave no half-made session
+                raise
+            finally:
+                self.below = []
         self.ticket.reply({"position": session.position})
         return True
 

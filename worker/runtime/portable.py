@@ -33,6 +33,9 @@ from .state import RuntimeState
 STATE_VERSION = 1
 _KEYS = {"version", "identity", "tokens", "position", "pending", "last_token", "sampler"}
 _INFORMATIVE = {"layout", "sampler_dropped"}
+# A pipeline stage's state also lists the states of the stages below it
+# (checked by ``ImportStateJob``, which hands them down the chain).
+_CHAIN = {"downstream"}
 
 
 def export_session(rt: RuntimeState, session_id: SessionId) -> tuple[dict[str, Any], np.ndarray]:
@@ -77,7 +80,7 @@ def check_meta(rt: RuntimeState, meta: Any) -> dict[str, Any]:
     """Validate a saved state's header against this worker; names the field."""
     if not isinstance(meta, dict):
         raise BadRequest("session_state must be a map")
-    unknown = sorted(str(k)[:64] for k in set(meta) - _KEYS - _INFORMATIVE)
+    unknown = sorted(str(k)[:64] for k in set(meta) - _KEYS - _INFORMATIVE - _CHAIN)
     if unknown:
         raise BadRequest(f"session_state.{unknown[0]} is not a known field")
     if meta.get("version") != STATE_VERSION:

@@ -76,6 +76,16 @@ class Tail(Protocol):
         """Repeat a trim / drop downstream so every stage's cells agree."""
         ...
 
+    def export_state(self, session: str) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+        """The session's state on every stage below: metadata and KV bytes, in order."""
+        ...
+
+    def import_state(
+        self, session: str, metas: list[dict[str, Any]], kvs: list[np.ndarray]
+    ) -> None:
+        """Make the session on every stage below from ``export_state``'s parts."""
+        ...
+
     def session_query(self, op: str, session: str, window_tokens: int = 0) -> dict[str, Any]:
         """Ask ``signal`` / ``signal_window`` of the stage that samples."""
         ...

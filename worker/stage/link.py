@@ -36,6 +36,7 @@ from ..runtime.tail import Landed, TailResult, TailStep
 
 _log = get_logger("skiff.stage")
 _SESSION_OP_MS = 5_000  # trim / drop downstream: no forward, answered within a turn
+_STATE_MS = 60_000  # export / import of a session's KV downstream (megabytes)
 
 
 class StageLink:
@@ -137,6 +138,30 @@ class StageLink:
         header, _ = self._call(op, session, args, [], timeout_ms=_SESSION_OP_MS)
         value = header.get("result")
         return value if isinstance(value, dict) else {}
+
+    def export_state(self, session: str) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+        header, buffers = self._call("export_state", session, None, [], _STATE_MS)
+        result = header.get("result") or {}
+        meta = result.get("session_state")
+        if not isinstance(meta, dict) or "frame" not in result:
+            raise StageUnavailable("the next stage sent a malformed export_state reply")
+        arrays = frames.parse(result["frame"], buffers).arrays()
+        below = list(meta.pop("downstream", None) or [])
+        kvs = [np.array(arrays["kv_state"])]
+        kvs += [np.array(arrays[f"kv_state.{i + 1}"]) for i in range(len(below))]
+        return [meta, *below], kvs
+
+    def import_state(
+        self, session: str, metas: list[dict[str, Any]], kvs: list[np.ndarray]
+    ) -> None:
+        if not metas or len(metas) != len(kvs):
+            raise BadRequest("one session state per stage below is needed")
+        meta = {**metas[0], "downstream": metas[1:]} if len(metas) > 1 else dict(metas[0])
+        names = ["kv_state", *(f"kv_state.{i}" for i in range(1, len(kvs)))]
+        frame = frames.make_frame([(n, kv, -1) for n, kv in zip(names, kvs, strict=True)])
+        buffers: list[Any] = []
+        args = {"session_state": meta, "frame": frames.attach(frame, buffers)}
+        self._call("import_state", session, args, buffers, _STATE_MS)
 
     def info(self) -> dict[str, Any]:
         header, _ = self._call("info", None, None, [], timeout_ms=5_000)
