@@ -1,0 +1,397 @@
+"""``scripts/cluster up|status|down``: the compose topology as local processes.
+
+Why: the gateway, the multi-worker tests and the load test need gateway + two
+LLM workers + a speech worker, and this machine has no container engine. The
+processes are the ones compose.yaml runs (``worker.cli``, ``worker.speech.cli``,
+``gateway.cli``), bound to free loopback TCP ports (or ``ipc://`` sockets in
+the run directory), started detached so they outlive ``up``.
+
+``up`` writes ``RUN_DIR/state.json`` (pids, endpoints, logs), waits until every
+worker answers ``ping`` and the gateway answers ``ping`` and ``GET /health``
+with 200, and prints the endpoints as JSON. ``status`` prints each process up
+or down and whether it answers. ``down`` sends SIGTERM to each process group
+(the gateway first, so it stops routing before its workers go), SIGKILL after
+``--grace`` seconds, and removes the state. Logs stay in ``RUN_DIR/logs``.
+
+A pid in the state counts as ours only while ``/proc/PID/stat`` shows the
+start time recorded at launch, so a reused pid is never signalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from edge import logs
+from protocol import Client, SkiffError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RUN_DIR = ROOT / ".cluster"
+STATE = "state.json"
+IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
+
+log = logs.get_logger("skiff.cluster")
+
+
+class ClusterError(Exception):
+    """``up`` could not bring the topology to health, or the state is unusable."""
+
+
+@dataclass
+class Proc:
+    """One process of the topology, as recorded in the state file."""
+
+    name: str
+    role: str  # "worker", "speech" or "gateway"
+    argv: list[str]
+    endpoint: str
+    metrics_port: int
+    log: str
+    http: str | None = None  # the gateway's HTTP base URL
+    pid: int = 0
+    start_time: int = 0  # /proc/PID/stat field 22, in clock ticks since boot
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open until all are chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time, or None when it is gone (or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def alive(proc: Proc) -> bool:
+    return proc.pid > 0 and start_time(proc.pid) == proc.start_time
+
+
+def plan(args: argparse.Namespace, run_dir: Path) -> list[Proc]:
+    """Every process with its argv and endpoints, nothing started yet."""
+    names = [f"worker-{i + 1}" for i in range(args.workers)]
+    if args.speech:
+        names.append("speech")
+    if args.gateway:
+        names.append("gateway")
+    ports = iter(free_ports(2 * len(names) + 1))
+
+    def endpoint(name: str) -> str:
+        if args.transport == "tcp":
+            return f"tcp://127.0.0.1:{next(ports)}"
+        path = run_dir / f"{name}.sock"
+        if len(str(path)) > IPC_PATH_MAX:
+            raise ClusterError(f"ipc path too long for a unix socket: {path}; use --run-dir")
+        return f"ipc://{path}"
+
+    py = sys.executable
+    procs: list[Proc] = []
+    for name in names:
+        ep, metrics, log_path = endpoint(name), next(ports), str(run_dir / "logs" / f"{name}.log")
+        if name == "speech":
+            argv = [py, "-m", "worker.speech.cli", "--bind", ep, "--threads", "1"]
+            argv += ["--log-format", "json"]
+            procs.append(Proc(name, "speech", argv, ep, metrics, log_path))
+        elif name == "gateway":
+            http = f"127.0.0.1:{next(ports)}"
+            argv = [py, "-m", "gateway.cli", "--bind", ep, "--http", http]
+            for p in procs:
+                argv += ["--speech" if p.role == "speech" else "--worker", p.endpoint]
+            argv += ["--metrics-port", str(metrics), "--log-format", "json", *args.gateway_arg]
+            procs.append(Proc(name, "gateway", argv, ep, metrics, log_path, http=f"http://{http}"))
+        else:
+            threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+            argv = [py, "-m", "worker.cli", "--bind", ep, "--model", args.model]
+            argv += ["--lanes", str(args.lanes), "--ctx", str(args.ctx)]
+            argv += ["--threads", str(threads), "--log-format", "json", *args.worker_arg]
+            procs.append(Proc(name, "worker", argv, ep, metrics, log_path))
+    return procs
+
+
+def launch(proc: Proc) -> subprocess.Popen[bytes]:
+    """Start ``proc`` in its own session (a Ctrl-C at the shell does not reach
+    it; ``down`` signals its whole process group)."""
+    Path(proc.log).parent.mkdir(parents=True, exist_ok=True)
+    # Workers and the speech worker take the metrics port from the environment
+    # (every skiff process reads SKIFF_METRICS_PORT; the gateway gets a flag),
+    # served on loopback like everything else here.
+    env = {
+        **os.environ,
+        "SKIFF_METRICS_PORT": str(proc.metrics_port),
+        "SKIFF_METRICS_HOST": "127.0.0.1",
+    }
+    with open(proc.log, "wb") as out:
+        popen = subprocess.Popen(
+            proc.argv,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    proc.pid = popen.pid
+    proc.start_time = start_time(popen.pid) or 0
+    return popen
+
+
+def pings(endpoint: str, timeout_ms: int = 1000) -> bool:
+    with Client(endpoint, timeout_ms=timeout_ms) as client:
+        try:
+            client.ping()
+            return True
+        except SkiffError:
+            return False
+
+
+def http_health(base: str, timeout_s: float = 2.0) -> int | None:
+    """The status of ``GET base/health`` (503 is an answer too), None if none."""
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=timeout_s) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def tail(path: str, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(proc: Proc, popen: subprocess.Popen[bytes], deadline: float) -> None:
+    """Return once ``proc`` answers; raise with its log tail if it exits or
+    the deadline passes first."""
+
+    def running() -> bool:
+        return popen.poll() is None
+
+    with Client(proc.endpoint) as client:
+        try:
+            client.wait_ready(max(0.0, deadline - time.monotonic()), alive=running)
+        except SkiffError:
+            why = "exited" if not running() else "did not answer ping"
+            raise ClusterError(f"{proc.name} {why}; {proc.log}:\n{tail(proc.log)}") from None
+    while proc.http is not None and http_health(proc.http) != 200:
+        if not running() or time.monotonic() > deadline:
+            why = "exited" if not running() else "GET /health never answered 200"
+            raise ClusterError(f"{proc.name} {why}; {proc.log}:\n{tail(proc.log)}")
+        time.sleep(0.2)
+
+
+def stop(procs: Sequence[Proc], grace: float) -> dict[str, str]:
+    """SIGTERM each live process group, SIGKILL what is left after ``grace``."""
+    outcome: dict[str, str] = {}
+    live = [p for p in procs if alive(p)]
+    for p in procs:
+        if p not in live:
+            outcome[p.name] = "not running"
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+        outcome[p.name] = "terminated"
+    deadline = time.monotonic() + grace
+    while any(alive(p) for p in live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in live:
+        if alive(p):
+            log.warning("grace period over; killing", process=p.name, pid=p.pid)
+            _signal_group(p, signal.SIGKILL)
+            outcome[p.name] = "killed"
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stuck = [p.name for p in live if alive(p)]
+    if stuck:
+        raise ClusterError(f"still running after SIGKILL: {stuck}")
+    return outcome
+
+
+def _signal_group(proc: Proc, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)  # start_new_session: the group id is the pid
+
+
+def save_state(run_dir: Path, procs: Sequence[Proc]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (STATE + ".tmp")
+    tmp.write_text(json.dumps({"processes": [asdict(p) for p in procs]}, indent=2))
+    tmp.replace(run_dir / STATE)  # a reader never sees half a file
+
+
+def load_state(run_dir: Path) -> list[Proc]:
+    """The recorded processes; empty when there is no state file."""
+    try:
+        data = json.loads((run_dir / STATE).read_text())
+        return [Proc(**p) for p in data["processes"]]
+    except FileNotFoundError:
+        return []
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ClusterError(f"unreadable state {run_dir / STATE}: {exc}") from None
+
+
+def clear_state(run_dir: Path, procs: Sequence[Proc]) -> None:
+    (run_dir / STATE).unlink(missing_ok=True)
+    for p in procs:
+        if p.endpoint.startswith("ipc://"):
+            Path(p.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+def describe(run_dir: Path, procs: Sequence[Proc]) -> dict[str, Any]:
+    """The endpoints a client needs, then every process in detail."""
+    gateway = next((p for p in procs if p.role == "gateway"), None)
+    return {
+        "run_dir": str(run_dir),
+        "gateway": gateway.endpoint if gateway else None,
+        "http": gateway.http if gateway else None,
+        "workers": [p.endpoint for p in procs if p.role == "worker"],
+        "speech": [p.endpoint for p in procs if p.role == "speech"],
+        "processes": {
+            p.name: {
+                "role": p.role,
+                "pid": p.pid,
+                "endpoint": p.endpoint,
+                "metrics_port": p.metrics_port,
+                "log": p.log,
+                **({"http": p.http} if p.http else {}),
+            }
+            for p in procs
+        },
+    }
+
+
+def cmd_up(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    old = load_state(run_dir)
+    if any(alive(p) for p in old):
+        raise ClusterError(f"a cluster is already up in {run_dir}; run `scripts/cluster down`")
+    clear_state(run_dir, old)  # stale: every recorded process is gone
+    procs = plan(args, run_dir)
+    started: list[tuple[Proc, subprocess.Popen[bytes]]] = []
+    try:
+        # Workers first: they load while the gateway starts, and the gateway
+        # finds them answering when it first pings.
+        for proc in procs:
+            started.append((proc, launch(proc)))
+            log.info("started", process=proc.name, pid=proc.pid, endpoint=proc.endpoint)
+        save_state(run_dir, procs)  # `down` can clean up even if `up` is killed now
+        deadline = time.monotonic() + args.timeout
+        for proc, popen in started:
+            wait_healthy(proc, popen, deadline)
+            log.info("healthy", process=proc.name)
+    except BaseException:
+        stop([p for p, _ in reversed(started)], grace=5.0)
+        clear_state(run_dir, procs)
+        raise
+    return describe(run_dir, procs)
+
+
+def cmd_status(run_dir: Path) -> tuple[dict[str, Any], bool]:
+    procs = load_state(run_dir)
+    out = describe(run_dir, procs)
+    healthy = bool(procs)
+    for p in procs:
+        entry = out["processes"][p.name]
+        entry["up"] = alive(p)
+        entry["answering"] = entry["up"] and pings(p.endpoint)
+        if p.http:
+            entry["health"] = http_health(p.http) if entry["up"] else None
+        healthy = healthy and entry["answering"]
+    out["running"] = any(alive(p) for p in procs)
+    return out, healthy
+
+
+def cmd_down(run_dir: Path, grace: float) -> dict[str, Any]:
+    procs = load_state(run_dir)
+    gateways = [p for p in procs if p.role == "gateway"]
+    outcome = stop(gateways, grace)
+    outcome.update(stop([p for p in procs if p.role != "gateway"], grace))
+    clear_state(run_dir, procs)
+    return {"run_dir": str(run_dir), "stopped": outcome}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scripts/cluster",
+        description="gateway + LLM workers + speech worker as local processes on loopback",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path(os.environ.get("SKIFF_CLUSTER_DIR", DEFAULT_RUN_DIR)),
+        help="state, logs and ipc sockets (env SKIFF_CLUSTER_DIR; default %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start detached, wait for health, print endpoints (JSON)")
+    up.add_argument("--workers", type=int, default=2, help="LLM workers (default 2)")
+    up.add_argument("--no-speech", dest="speech", action="store_false", help="no speech worker")
+    up.add_argument("--no-gateway", dest="gateway", action="store_false", help="no gateway")
+    up.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
+    up.add_argument("--model", default="default", help="GGUF path or 'default'")
+    up.add_argument("--lanes", type=int, default=4)
+    up.add_argument("--ctx", type=int, default=8192)
+    up.add_argument("--threads", type=int, default=0, help="per worker; 0 = cores / workers")
+    for role in ("worker", "gateway"):
+        up.add_argument(
+            f"--{role}-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help=f"extra skiff-{role} argument, repeatable (--{role}-arg=--flag=value)",
+        )
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds to reach health")
+    sub.add_parser("status", help="each process up/down and answering (JSON); exit 1 unless all")
+    down = sub.add_parser("down", help="SIGTERM, SIGKILL after --grace, remove the state")
+    down.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.run_dir = args.run_dir.resolve()  # the state's log paths work from any directory
+    logs.configure("auto", os.environ.get("SKIFF_LOG_LEVEL", "info"))
+    if getattr(args, "workers", 1) < 1:
+        raise SystemExit("scripts/cluster: --workers must be at least 1")
+    try:
+        if args.command == "up":
+            result, ok = cmd_up(args, args.run_dir), True
+        elif args.command == "status":
+            result, ok = cmd_status(args.run_dir)
+        else:
+            result, ok = cmd_down(args.run_dir, args.grace), True
+    except ClusterError as exc:
+        log.error("cluster", command=args.command, error=str(exc))
+        return 1
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

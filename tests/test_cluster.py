@@ -1,0 +1,182 @@
+"""scripts/cluster up|status|down, driven through the real command line.
+
+Every test stops what it started (``down`` in a finalizer) so a failing
+assertion never leaves workers running on the shared cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import psutil
+import pytest
+
+from conftest import ROOT
+from protocol import Client
+
+CLUSTER = ROOT / "scripts" / "cluster"
+SMALL = ("--lanes", "2", "--ctx", "2048")
+
+
+def _cluster(run_dir: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    """(exit code, the JSON it printed, its stderr)."""
+    out = subprocess.run(
+        [str(CLUSTER), "--run-dir", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    printed = json.loads(out.stdout) if out.stdout.strip() else {}
+    return out.returncode, printed, out.stderr
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _module() -> ModuleType:
+    """scripts/cluster.py as a module (its state helpers, for the SIGKILL test)."""
+    spec = importlib.util.spec_from_file_location("skiff_cluster", ROOT / "scripts" / "cluster.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "cluster"
+    yield path
+    _cluster(path, "down", "--grace", "5")
+
+
+def test_two_workers_up_status_down(run_dir: Path) -> None:
+    code, up, err = _cluster(run_dir, "up", "--no-gateway", "--no-speech", *SMALL)
+    assert code == 0, err
+    assert up["gateway"] is None and up["http"] is None and up["speech"] == []
+    assert len(up["workers"]) == 2 and len(set(up["workers"])) == 2
+    assert set(up["processes"]) == {"worker-1", "worker-2"}
+    for endpoint in up["workers"]:
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        with Client(endpoint, timeout_ms=30_000) as client:
+            assert client.ping() is not None
+            assert client.stats()["lanes"]["total"] == 2  # --lanes reached the worker
+    pids = {name: p["pid"] for name, p in up["processes"].items()}
+
+    code, status, _ = _cluster(run_dir, "status")
+    assert code == 0 and status["running"] is True
+    assert status["workers"] == up["workers"]
+    for name, entry in status["processes"].items():
+        assert entry["up"] and entry["answering"], name
+
+    code, _, err = _cluster(run_dir, "up", "--no-gateway", "--no-speech", *SMALL)
+    assert code == 1 and "already up" in err  # one cluster per run directory
+
+    os.kill(pids["worker-2"], signal.SIGKILL)
+    psutil.Process(pids["worker-1"])  # still there
+    while not _gone(pids["worker-2"]):
+        time.sleep(0.05)
+    code, status, _ = _cluster(run_dir, "status")
+    assert code == 1  # not every process answers
+    assert status["processes"]["worker-2"]["up"] is False
+    assert status["processes"]["worker-1"]["answering"] is True
+
+    code, down, err = _cluster(run_dir, "down")
+    assert code == 0, err
+    # worker-1 left on SIGTERM alone: a clean stop, not a kill.
+    assert down["stopped"] == {"worker-1": "terminated", "worker-2": "not running"}
+    assert all(_gone(pid) for pid in pids.values())
+    assert not (run_dir / "state.json").exists()
+    assert (run_dir / "logs" / "worker-1.log").stat().st_size > 0  # kept for post-mortems
+
+    code, status, _ = _cluster(run_dir, "status")
+    assert code == 1 and status["running"] is False and status["processes"] == {}
+    code, down, _ = _cluster(run_dir, "down")  # nothing to stop is not an error
+    assert code == 0 and down["stopped"] == {}
+
+
+def test_failed_up_stops_what_it_started(run_dir: Path) -> None:
+    missing = run_dir.parent / "no-such-model.gguf"
+    code, printed, err = _cluster(
+        run_dir, "up", "--no-gateway", "--no-speech", "--transport", "ipc",
+        "--model", str(missing), *SMALL,
+    )  # fmt: skip
+    assert code == 1 and printed == {}
+    assert "exited" in err and "no-such-model.gguf" in err  # the worker's log tail
+    assert not (run_dir / "state.json").exists()
+    assert not list(run_dir.glob("*.sock"))
+    # ipc endpoints live in the run directory, so its path is in every argv.
+    leftovers = [
+        p.pid
+        for p in psutil.process_iter(["cmdline", "status"])
+        if str(run_dir) in " ".join(p.info["cmdline"] or [])
+        and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
+    assert leftovers == []
+
+
+def test_down_kills_a_process_that_ignores_sigterm(run_dir: Path) -> None:
+    cluster = _module()
+    ready = run_dir / "ready"
+    code = (
+        "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"pathlib.Path({str(ready)!r}).touch(); time.sleep(600)"
+    )
+    proc = cluster.Proc(
+        name="stubborn",
+        role="worker",
+        argv=[sys.executable, "-c", code],
+        endpoint="tcp://127.0.0.1:9",
+        metrics_port=0,
+        log=str(run_dir / "logs" / "stubborn.log"),
+    )
+    cluster.launch(proc)
+    cluster.save_state(run_dir, [proc])
+    while not ready.exists():  # SIGTERM is ignored from here on
+        assert not _gone(proc.pid), (run_dir / "logs" / "stubborn.log").read_text()
+        time.sleep(0.05)
+
+    code_, down, err = _cluster(run_dir, "down", "--grace", "0.5")
+    assert code_ == 0, err
+    assert down["stopped"] == {"stubborn": "killed"}
+    assert _gone(proc.pid)
+
+
+def test_gateway_topology_up_status_down(run_dir: Path) -> None:
+    """The full topology: gateway, two workers, speech (needs gateway/cli.py)."""
+    code, up, err = _cluster(run_dir, "up", *SMALL)
+    assert code == 0, err
+    assert set(up["processes"]) == {"worker-1", "worker-2", "speech", "gateway"}
+    assert up["gateway"].startswith("tcp://127.0.0.1:") and up["http"].startswith("http://")
+    with Client(up["gateway"], timeout_ms=60_000) as client:
+        client.ping()
+        events = list(client.generate({"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}))
+        assert events[-1].done and events[-1].header["ok"], events[-1].header
+    with urllib.request.urlopen(f"{up['http']}/health", timeout=10) as reply:
+        assert reply.status == 200
+    with Client(up["speech"][0], timeout_ms=30_000) as client:
+        client.ping()
+
+    code, status, _ = _cluster(run_dir, "status")
+    assert code == 0 and status["processes"]["gateway"]["health"] == 200
+    pids = [p["pid"] for p in up["processes"].values()]
+    code, down, err = _cluster(run_dir, "down")
+    assert code == 0, err
+    assert set(down["stopped"].values()) == {"terminated"}
+    assert all(_gone(pid) for pid in pids)
