@@ -231,6 +231,8 @@ def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:
             got = _run(head, "three", tokens, 8)
             # asked through the middle stage, answered by the last
             got_signals = _signals(head, "three_sig", tokens, 3)
+            # sampled tokens came home straight from the last stage
+            assert head.info()["stage"]["direct_return"] == e2
         assert got[0] == want[0]
         assert float(np.max(np.abs(got[1] - want[1]))) == 0.0
         assert got_signals == _signals(client, "three_sig_full", tokens, 3)

@@ -169,6 +169,9 @@ class LlmService:
         if self.stage is None:
             return None
         mine = {**self.stage.info(), "bind": self.cfg.bind}
+        if self.link is not None and self.link.head:
+            # where sampled tokens come home from (3+ stages; set on the first forward)
+            mine["direct_return"] = self.link.direct_endpoint
         chain = [mine]
         if self.link is not None:
             try:

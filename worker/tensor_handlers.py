@@ -17,6 +17,7 @@ from faults import BadRequest, ContextOverflow, SessionNotActive
 from protocol.envelope import Op
 
 from .handlers import App, Handler, next_ephemeral, session_entries
+from .runtime import Origin
 from .runtime.rows import RowRule
 from .tensor_jobs import (
     POOLINGS,
@@ -159,6 +160,7 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
                 rows[row : row + n],
                 get_bool(entry, "all_rows", False),
                 _row_rule(app, entry.get("rule"), i, n),
+                _origin(entry.get("origin"), i),
             )
         )
         row += n
@@ -198,6 +200,27 @@ def _row_rule(app: App, raw: Any, i: int, n: int) -> RowRule | None:
         stop_tokens=lists["stop_tokens"],
         stop_eog=_flag(raw, "stop_eog", where),
     )
+
+
+def _origin(raw: Any, i: int) -> Origin | None:
+    """A step's ``origin``: [head peer id (hex), request id, index, count]."""
+    if raw is None:
+        return None
+    ok = (
+        isinstance(raw, list)
+        and len(raw) == 4
+        and isinstance(raw[0], str)
+        and 0 < len(raw[0]) <= 64
+        and all(type(v) is int and 0 <= v < 1 << 62 for v in raw[1:])
+        and raw[2] < raw[3]
+    )
+    try:
+        peer = bytes.fromhex(raw[0]) if ok else b""
+    except ValueError:
+        ok = False
+    if not ok:
+        raise BadRequest(f"steps[{i}].origin must be [peer hex, request, index, count]")
+    return Origin(peer, raw[1], raw[2], raw[3])
 
 
 def _flag(raw: dict[str, Any], key: str, where: str) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 from faults import BadRequest, LanesBusy
 
 from .jobs import PHASE_ATOMIC, Job, PrefillJob
-from .runtime import RuntimeState, Session, SessionId, Step, StepResult
+from .runtime import Origin, RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.portable import export_session, import_session
 from .runtime.rows import RowRule
 from .spec import SamplerSpec
@@ -149,6 +149,7 @@ class StageStep:
     rows: np.ndarray
     all_rows: bool = False
     rule: RowRule | None = None
+    origin: Origin | None = None
 
 
 class StageForwardJob(Job):
@@ -205,31 +206,57 @@ class StageForwardJob(Job):
                 embd=s.rows,
                 all_rows=s.all_rows,
                 rule=s.rule,
+                origin=s.origin,
             )
             for session, s in zip(self.bound, self.steps, strict=True)
         ]
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
+        """Answer the caller; steps with an ``origin`` are answered to the head
+        stage directly by the last stage (the caller gets an acknowledgement
+        for them), so sampled tokens skip the stages in between."""
         items: list[dict[str, Any]] = []
         parts: dict[str, list[np.ndarray]] = {}
-        for result in results:
-            item: dict[str, Any] = {"token": result.token, "rows": 0}
-            if result.logprobs is not None:
-                item["logprobs"] = result.logprobs
-            if result.error is not None:
-                item["error"] = result.error.message
-            if result.row_tokens is not None:
-                item["row_tokens"] = result.row_tokens
-                item["row_logprobs"] = result.row_logprobs
-            for name in ("hidden", "logits"):
-                array = getattr(result, name)
-                if array is not None:
-                    parts.setdefault(name, []).append(array)
-                    item["rows"] = int(array.shape[0])
-            items.append(item)
-        tensors = None
-        if parts:
-            joined = {k: np.concatenate(v) for k, v in parts.items()}
-            tensors = Tensors(joined, None, len(results), 0, rt.n_layer)
-        self.ticket.reply({"results": items}, tensors)
+        direct: dict[tuple[bytes, int], list[tuple[int, StepResult]]] = {}
+        for step, result in zip(self.steps, results, strict=True):
+            origin = step.origin
+            if origin is None:
+                items.append(_item(result, parts))
+                continue
+            if rt.tail is None:
+                key = (origin.peer, origin.request)
+                direct.setdefault(key, []).append((origin.index, result))
+            items.append({"token": None, "rows": 0, "direct": True})
+        for (peer, request), group in direct.items():
+            group.sort(key=lambda pair: pair[0])
+            mine: dict[str, list[np.ndarray]] = {}
+            answer = [_item(result, mine) for _, result in group]
+            head = Ticket(owner=peer, id=request, op="forward_frame", outbox=self.ticket.outbox)
+            head.reply({"results": answer}, _tensors(mine, len(group), rt.n_layer))
+        self.ticket.reply({"results": items}, _tensors(parts, len(results), rt.n_layer))
         return True
+
+
+def _item(result: StepResult, parts: dict[str, list[np.ndarray]]) -> dict[str, Any]:
+    """One step's entry of a ``forward_frame`` reply; its output rows go to ``parts``."""
+    item: dict[str, Any] = {"token": result.token, "rows": 0}
+    if result.logprobs is not None:
+        item["logprobs"] = result.logprobs
+    if result.error is not None:
+        item["error"] = result.error.message
+    if result.row_tokens is not None:
+        item["row_tokens"] = result.row_tokens
+        item["row_logprobs"] = result.row_logprobs
+    for name in ("hidden", "logits"):
+        array = getattr(result, name)
+        if array is not None:
+            parts.setdefault(name, []).append(array)
+            item["rows"] = int(array.shape[0])
+    return item
+
+
+def _tensors(parts: dict[str, list[np.ndarray]], steps: int, n_layer: int) -> Tensors | None:
+    if not parts:
+        return None
+    joined = {k: np.concatenate(v) for k, v in parts.items()}
+    return Tensors(joined, None, steps, 0, n_layer)

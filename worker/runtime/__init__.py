@@ -8,13 +8,14 @@ from .chain import Flight
 from .draft import DraftRuntime
 from .lanes import Ephemeral, LanePool, Session, SessionId
 from .state import RuntimeState
-from .steps import Step, StepResult
+from .steps import Origin, Step, StepResult
 
 __all__ = [
     "DraftRuntime",
     "Ephemeral",
     "Flight",
     "LanePool",
+    "Origin",
     "RuntimeState",
     "Session",
     "SessionId",

@@ -79,6 +79,7 @@ def launch_chain(rt: ChainHost, steps: Sequence[Step]) -> int:
             top_logprobs=s.top_logprobs,
             all_rows=s.all_rows,
             rule=s.rule,
+            origin=s.origin,
         )
         for s in steps
     ]

@@ -15,6 +15,19 @@ from .lanes import Session
 from .rows import RowRule
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a pipeline step's result goes when not back along the chain: the
+    head stage's direct connection to the last stage (``peer``), the head's
+    request ``request``, and the step's ``index`` among its ``count`` steps.
+    Opaque to the runtime; the last stage answers it directly."""
+
+    peer: bytes
+    request: int
+    index: int
+    count: int
+
+
 @dataclass
 class Step:
     """Part of one forward: ``tokens`` appended to ``session``.
@@ -37,6 +50,7 @@ class Step:
     capture_all: bool = False  # ``outputs`` for every token of the step
     embd: np.ndarray | None = None
     rule: RowRule | None = None  # ``all_rows``: sample the rows by this rule (``row_tokens``)
+    origin: Origin | None = None  # a pipeline step answered directly to the head stage
 
     @property
     def wants_hidden(self) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 from faults import Fault
 
 from .rows import RowRule
+from .steps import Origin
 
 
 @dataclass
@@ -37,6 +38,7 @@ class TailStep:
     top_logprobs: int | None = None
     all_rows: bool = False  # every row scored (verify, speculation) ...
     rule: RowRule | None = None  # ... and sampled by this rule where the logits are
+    origin: Origin | None = None  # answered directly to the head stage (3+ stages)
 
 
 @dataclass

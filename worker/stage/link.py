@@ -19,6 +19,7 @@ once the stage is back ZeroMQ reconnects by itself and chain work resumes.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from faults import BadRequest, Fault, SessionNotActive, StageUnavailable, from_c
 from protocol import codec, frames, sockets
 from protocol.envelope import request
 
+from ..runtime import Origin
 from ..runtime.tail import Landed, TailResult, TailStep
 
 _log = get_logger("skiff.stage")
@@ -46,8 +48,16 @@ class StageLink:
         timeout_ms: int = 120_000,
         context: zmq.Context[Any] | None = None,
         frame_dtype: str = "f32",
+        head: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        # The head stage of a chain of 3+ stages gets its sampled tokens from
+        # the last stage directly (``_direct``), not relayed by the stages in
+        # between; set up on the first forward, once the chain is known.
+        self.head = head
+        self._direct: zmq.Socket[Any] | None = None
+        self._direct_known = not head
+        self.direct_endpoint: str | None = None  # the last stage, once connected
         # f16 halves the bytes a row costs on the wire, at a measured logit error
         # (scripts/bench_stages.py); f32 keeps the chain exact.
         self.frame_dtype = np.float16 if frame_dtype == "f16" else np.float32
@@ -71,6 +81,8 @@ class StageLink:
         self._sock.connect(endpoint)
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close(linger=0)
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
@@ -78,6 +90,14 @@ class StageLink:
     # -- the Tail protocol ---------------------------------------------------------
 
     def send(self, steps: list[TailStep], hidden: np.ndarray) -> int:
+        if not self._direct_known:
+            self._setup_direct()
+        req_id = next(self._ids)
+        direct = self._direct.getsockopt(zmq.ROUTING_ID) if self._direct is not None else None
+        if isinstance(direct, bytes):
+            # answered by the last stage straight to our direct socket
+            for i, step in enumerate(steps):
+                step.origin = Origin(direct, req_id, i, len(steps))
         positions = [s.position + k for s in steps for k in range(len(s.tokens))]
         wire = hidden.astype(self.frame_dtype) if hidden.dtype != self.frame_dtype else hidden
         frame = frames.make_frame(
@@ -99,10 +119,11 @@ class StageLink:
                 }
                 | ({"all_rows": True} if s.all_rows else {})
                 | ({"rule": s.rule.to_wire()} if s.rule is not None else {})
+                | ({"origin": _origin_wire(s.origin)} if s.origin is not None else {})
                 for s in steps
             ],
         }
-        return self._send("forward_frame", None, args, buffers, self.timeout_ms, len(steps))
+        return self._send("forward_frame", None, args, buffers, self.timeout_ms, len(steps), req_id)
 
     def poll(self, timeout_ms: int) -> dict[int, Landed]:
         if not self._landed:
@@ -195,13 +216,14 @@ class StageLink:
         buffers: list[Any],
         timeout_ms: int,
         steps: int | None,
+        req_id: int | None = None,
     ) -> int:
         self._drain_monitor()
         if not self.connected:
             # not yet connected, or the connection dropped: fail at once
             # rather than queue work a dead stage would never answer
             raise StageUnavailable(f"the next stage ({self.endpoint}) is not connected")
-        req_id = next(self._ids)
+        req_id = next(self._ids) if req_id is None else req_id
         header = request(req_id, op, session, args)
         try:
             self._sock.send_multipart([codec.encode(header), *buffers], zmq.NOBLOCK, copy=False)
@@ -234,17 +256,20 @@ class StageLink:
         if self._monitor in ready and self._drain_monitor():
             self._fail_all(f"the next stage ({self.endpoint}) went away")
             return
-        while self._sock.poll(0):
-            msg = self._sock.recv_multipart(copy=False)
-            reply = codec.decode(msg[0].buffer, max_bytes=1 << 30)
-            got = reply.get("id") if isinstance(reply, dict) else None
-            if not isinstance(got, int) or got not in self._pending:
-                continue  # a late reply to a request that already gave up
-            self._land(got, self._outcome(reply, [f.buffer for f in msg[1:]], got))
+        for sock in (self._sock, self._direct):
+            while sock is not None and sock.poll(0):
+                msg = sock.recv_multipart(copy=False)
+                reply = codec.decode(msg[0].buffer, max_bytes=1 << 30)
+                got = reply.get("id") if isinstance(reply, dict) else None
+                if not isinstance(got, int) or got not in self._pending:
+                    continue  # a late reply (or acknowledgement) of a request gone home
+                outcome = self._outcome(reply, [f.buffer for f in msg[1:]], got)
+                if outcome is not _ACK:
+                    self._land(got, outcome)
 
     def _outcome(
         self, reply: dict[str, Any], buffers: list[memoryview], req_id: int
-    ) -> Fault | tuple[dict[str, Any], list[memoryview]] | list[TailResult]:
+    ) -> Fault | tuple[dict[str, Any], list[memoryview]] | list[TailResult] | object:
         if not reply.get("ok"):
             err = reply.get("error") or {}
             cls = from_code(str(err.get("code", "internal")))
@@ -253,10 +278,46 @@ class StageLink:
         steps = self._pending[req_id].steps
         if steps is None:
             return reply, buffers
+        items = (reply.get("result") or {}).get("results")
+        if (
+            self._direct is not None
+            and isinstance(items, list)
+            and items
+            and all(isinstance(i, dict) and i.get("direct") for i in items)
+        ):
+            return _ACK  # the stages below took it; the last stage answers us directly
         try:
             return _results(reply, buffers, steps)
         except (Fault, ValueError, KeyError, TypeError) as exc:
             return StageUnavailable(f"the next stage sent a malformed forward_frame reply: {exc}")
+
+    def _setup_direct(self) -> None:
+        """With 3+ stages, connect straight to the last one (as its previous
+        stage dials it) so sampled tokens come home in one hop; wait for a
+        ``ping`` through it so the last stage can route to us from the start."""
+        chain = self.info().get("chain") or []
+        self._direct_known = True
+        if not isinstance(chain, list) or len(chain) < 2:
+            return  # the next stage is the last: its replies are already direct
+        endpoint = chain[-2].get("next") if isinstance(chain[-2], dict) else None
+        if not isinstance(endpoint, str) or not endpoint:
+            self._direct_known = False
+            raise StageUnavailable("the chain's last stage endpoint is unknown")
+        sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, b"skiff-head-" + os.urandom(8).hex().encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, sockets.DEFAULT_MAX_MESSAGE_BYTES)
+        sock.connect(endpoint)
+        sock.send(codec.encode(request(0, "ping", None, None)))
+        if not sock.poll(_SESSION_OP_MS):
+            sock.close(linger=0)
+            self._direct_known = False
+            raise StageUnavailable(f"the chain's last stage ({endpoint}) did not answer")
+        sock.recv_multipart()
+        self._direct = sock
+        self.direct_endpoint = endpoint
+        self._poller.register(sock, zmq.POLLIN)
+        _log.info("stage_direct_return", last_stage=endpoint)
 
     def _land(self, req_id: int, outcome: Any) -> None:
         p = self._pending.pop(req_id)
@@ -280,6 +341,13 @@ class StageLink:
             elif event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
         return dropped
+
+
+_ACK = object()  # a forward's acknowledgement: its result comes on the direct socket
+
+
+def _origin_wire(origin: Origin) -> list[Any]:
+    return [origin.peer.hex(), origin.request, origin.index, origin.count]
 
 
 @dataclass(slots=True)

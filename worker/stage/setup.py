@@ -74,4 +74,6 @@ def plan_stage(cfg: WorkerConfig) -> StagePlan | None:
 
 
 def link_for(plan: StagePlan) -> StageLink | None:
-    return StageLink(plan.next, frame_dtype=plan.frame_dtype) if plan.next else None
+    if not plan.next:
+        return None
+    return StageLink(plan.next, frame_dtype=plan.frame_dtype, head=plan.first)
