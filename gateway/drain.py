@@ -1,0 +1,256 @@
+"""Draining a worker: move its named sessions live, then stop routing to it.
+
+``gateway_drain {"worker": EP}`` (``skiff-gateway drain EP``) runs, inside
+the gateway's loop and without blocking it:
+
+1. mark the worker *draining*: it gets no new sessions and no ephemeral
+   work, but requests for the sessions it holds still reach it;
+2. ask it for ``stats``; for each named session it holds (its list and the
+   affinity table's), one at a time:
+   a. *hold* the session: its new requests wait in the gateway;
+   b. wait until the session has nothing in flight (a running ``generate``
+      on it finishes first);
+   c. ``export_state`` on the old worker, ``import_state`` on the least
+      loaded other worker with a free lane (the KV buffers pass through as
+      the received frames, not copied), ``drop`` on the old worker — the
+      migration of ``protocol.Client.migrate``;
+   d. point the affinity at the new worker and send the held requests on,
+      in their order of arrival.
+   A session that cannot move (no other worker with a free lane, a refused
+   import) stays where it is and keeps being served there; the result
+   lists it under ``failed``;
+3. wait for the worker's other requests (ephemeral generations) to finish;
+4. mark it *drained*: nothing new is routed to it. A drained worker rejoins
+   when it restarts (it goes down and answers again): drain, restart, done.
+
+The reply to ``gateway_drain`` comes when all of this is over:
+``{"worker", "moved": [{"session", "to", "position"}], "failed":
+[{"session", "error"}], "seconds"}``.
+
+A drain is a generator that yields ``Call`` (an internal request; it resumes
+with the reply) or ``Wait`` (a condition polled every loop tick), so the
+steps read in order while the loop keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from edge import logs
+from faults import BadRequest, Fault
+
+from .host import Host
+from .pool import LLM, WorkerConn
+
+_log = logs.get_logger("skiff.gateway.drain")
+
+Answer = tuple[dict[str, Any], list[zmq.Frame]]
+
+
+@dataclass
+class Call:
+    worker: WorkerConn
+    op: str
+    session: str | None = None
+    args: dict[str, Any] | None = None
+    buffers: Sequence[Any] = ()
+
+
+@dataclass
+class Wait:
+    until: Callable[[], bool]
+
+
+Steps = Generator[Call | Wait, Answer, dict[str, Any]]
+NOTHING: Answer = ({}, [])  # what a Wait resumes with
+Done = Callable[[dict[str, Any] | Fault], None]
+
+
+@dataclass(eq=False)
+class _Task:
+    worker: WorkerConn
+    done: Done
+    steps: Steps | None = None
+    primed: bool = False  # the generator has run to its first step
+    started: float = field(default_factory=time.monotonic)
+    waiting: Callable[[], bool] | None = None
+    moved: int = 0
+    session: str | None = None  # the one moving now
+
+
+class Drainer:
+    """Runs drain tasks on the service's loop."""
+
+    def __init__(self, svc: Host) -> None:
+        self.svc = svc
+        self.tasks: list[_Task] = []
+
+    def start(self, worker: WorkerConn, done: Done) -> None:
+        if worker.draining or any(t.worker is worker for t in self.tasks):
+            raise BadRequest(f"worker {worker.name} is already draining")
+        task = _Task(worker, done)
+        task.steps = self._drain(worker, task)
+        self.tasks.append(task)
+        _log.info("drain_started", worker=worker.name)
+        self._advance(task, NOTHING)
+
+    def poll(self) -> None:
+        """Resume tasks whose condition now holds."""
+        for task in list(self.tasks):
+            if task.waiting is not None and task.waiting():
+                task.waiting = None
+                self._advance(task, NOTHING)
+
+    def active(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "worker": t.worker.name,
+                "moved": t.moved,
+                "moving": t.session,
+                "seconds": round(time.monotonic() - t.started, 3),
+            }
+            for t in self.tasks
+        ]
+
+    def _advance(self, task: _Task, answer: Answer) -> None:
+        assert task.steps is not None
+        while True:
+            try:
+                step = task.steps.send(answer) if task.primed else next(task.steps)
+                task.primed = True
+            except StopIteration as stop:
+                self._end(task, stop.value)
+                return
+            except Exception as exc:  # a bug must not leave a worker half drained
+                _log.exception("drain_crashed", worker=task.worker.name)
+                task.worker.draining = False
+                self._end(task, Fault(f"drain failed: {type(exc).__name__}: {exc}"))
+                return
+            if isinstance(step, Wait):
+                if step.until():
+                    answer = NOTHING
+                    continue
+                task.waiting = step.until
+                return
+            self.svc.pool.call(
+                step.worker,
+                step.op,
+                step.session,
+                step.args,
+                step.buffers,
+                on_reply=functools.partial(self._resume, task),
+            )
+            return
+
+    def _resume(self, task: _Task, header: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        self._advance(task, (header, frames))
+
+    def _end(self, task: _Task, result: dict[str, Any] | Fault) -> None:
+        if task in self.tasks:
+            self.tasks.remove(task)
+        _log.info("drain_finished", worker=task.worker.name, moved=task.moved)
+        task.done(result)
+
+    # -- the drain itself --------------------------------------------------------------
+
+    def _drain(self, w: WorkerConn, task: _Task) -> Steps:
+        svc = self.svc
+        w.draining = True
+        moved: list[dict[str, Any]] = []
+        failed: list[dict[str, Any]] = []
+        header, _ = yield Call(w, "stats")
+        listed = [
+            str(s["session"])
+            for s in (header.get("result") or {}).get("sessions") or ()
+            if isinstance(s, dict) and not s.get("ephemeral") and s.get("session")
+        ]
+        names = sorted(set(listed) | set(svc.affinity.sessions_of(w.name)))
+        for session in names:
+            if not w.up:
+                failed.append({"session": session, "error": "worker went down"})
+                continue
+            if svc.affinity.worker_of(session) not in (w.name, None):
+                continue  # placed elsewhere since
+            task.session = session
+            svc.hold(session)
+            try:
+                yield Wait(functools.partial(_settled, svc, w, session))
+                error, where = yield from self._move(w, session)
+            finally:
+                task.session = None
+                svc.release(session)
+            if error is None:
+                moved.append(where)
+                task.moved += 1
+                svc.migrated("ok")
+            else:
+                failed.append({"session": session, "error": error})
+                svc.migrated("failed")
+        # Other work ends by itself (ephemeral generations); sessions that could not
+        # move keep being served here and are not waited for.
+        stuck = frozenset(f["session"] for f in failed)
+        yield Wait(lambda: svc.client_work(w, stuck) == 0 or not w.up)
+        w.drained = True
+        w.draining = False
+        return {
+            "worker": w.name,
+            "moved": moved,
+            "failed": failed,
+            "seconds": round(time.monotonic() - task.started, 3),
+        }
+
+    def _move(
+        self, w: WorkerConn, session: str
+    ) -> Generator[Call | Wait, Answer, tuple[str | None, dict[str, Any]]]:
+        """One live migration; (None, where) or (error, {})."""
+        svc = self.svc
+        if not w.up:
+            return "worker went down", {}
+        target = self._target(w)
+        if target is None:
+            return "no other worker is up with a free lane", {}
+        exported, buffers = yield Call(w, "export_state", session)
+        if not exported.get("ok"):
+            return _error(exported, "export_state"), {}
+        result = exported.get("result") or {}
+        args = {"session_state": result.get("session_state"), "frame": result.get("frame")}
+        imported, _ = yield Call(target, "import_state", session, args, buffers)
+        if not imported.get("ok"):
+            return _error(imported, f"import_state on {target.name}"), {}
+        target.lanes_taken += 1
+        dropped, _ = yield Call(w, "drop", session)
+        if dropped.get("ok"):
+            w.lanes_freed += 1
+        else:
+            _log.warning("drain_drop_failed", session=session, error=_error(dropped, "drop"))
+        svc.affinity.assign(session, target.name, time.monotonic(), confirmed=True)
+        position = (imported.get("result") or {}).get("position")
+        _log.info("session_moved", session=session, to=target.name, position=position)
+        return None, {"session": session, "to": target.name, "position": position}
+
+    def _target(self, w: WorkerConn) -> WorkerConn | None:
+        """The least loaded other eligible LLM worker with a free lane."""
+        others = [
+            o for o in self.svc.pool.workers.values() if o is not w and o.kind == LLM and o.eligible
+        ]
+        roomy = [(o.candidate(), o) for o in others]
+        roomy = [(c, o) for c, o in roomy if c.free_lanes > 0]
+        if not roomy:
+            return None
+        return min(roomy, key=lambda co: (co[0].score, co[1].name))[1]
+
+
+def _settled(svc: Host, w: WorkerConn, session: str) -> bool:
+    """Nothing in flight for ``session`` any more (or its worker is gone)."""
+    return not svc.busy(session) or not w.up
+
+
+def _error(header: dict[str, Any], what: str) -> str:
+    err = header.get("error") or {}
+    return f"{what}: {err.get('code', 'internal')}: {err.get('message', '')}"

@@ -1,0 +1,53 @@
+"""What the gateway's parts see of the service that runs them.
+
+``drain``, ``views`` and ``metrics`` work on the service's state; this
+protocol names that state so they depend on it, not on ``server`` (which
+imports them): the import graph stays a tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, Protocol
+
+from edge import Request
+
+from .affinity import AffinityTable
+from .ledger import Ledger
+from .pool import Pool, WorkerConn
+from .router import Router
+
+
+class Host(Protocol):
+    pool: Pool
+    router: Router
+    affinity: AffinityTable
+    ledger: Ledger
+    held: dict[str, list[Request]]  # sessions being moved -> requests waiting for them
+    forwarded: int
+    started: float
+
+    def busy(self, session: str) -> bool:
+        """A request naming ``session`` is in flight."""
+        ...
+
+    def client_work(self, w: WorkerConn, ignore: Collection[str] = ()) -> int:
+        """Client requests in flight on ``w``, leaving out those naming only
+        sessions in ``ignore``."""
+        ...
+
+    def hold(self, session: str) -> None:
+        """Keep new requests for ``session`` in the gateway."""
+        ...
+
+    def release(self, session: str) -> None:
+        """Send ``session``'s held requests on, in order."""
+        ...
+
+    def migrated(self, result: str) -> None:
+        """A drain moved a session (``ok``) or could not (``failed``)."""
+        ...
+
+    def drains(self) -> list[dict[str, Any]]:
+        """The drains running now."""
+        ...

@@ -1,0 +1,195 @@
+"""Routing policy, pure: which worker gets a new session or an ephemeral request.
+
+Named sessions never come here once placed: the affinity table
+(``gateway/affinity.py``) sends them to the worker holding their KV. What is
+left is placing *new* work, three ways (``--policy``):
+
+- ``cache_aware`` (default). Each worker's prefix cache keeps the KV of
+  prompts it served on idle lanes, so a prompt that shares a long prefix with
+  one a worker saw recently prefills mostly for free there. The gateway keeps
+  an approximate per-worker index of the prompts it routed (chained hashes of
+  16-token / 64-character blocks, LRU-bounded, in the spirit of SGLang's
+  cache-aware router) and sends a prompt to the worker sharing the longest
+  prefix of at least ``--cache-min-blocks`` blocks (default 8: 128 tokens,
+  the worker's default prefill piece, the smallest prefix its exact prefix
+  cache reuses), but only while that worker's load score is within
+  ``--balance-threshold`` (default 2: one more running request and one
+  fewer free lane) of the least loaded one; otherwise least loaded wins. A
+  hot prefix thus sticks to one worker until it is busier than the rest by
+  more than the slack.
+- ``least_loaded``: the lowest score ``4 * queued + running - free_lanes``.
+  ``4 * waiting + running`` is vLLM's (and the Kubernetes inference
+  gateway's) queue score: a waiting request costs more than a running one
+  because it has not even started; subtracting free lanes prefers the worker
+  with room, which matters for named sessions (they hold a lane until
+  ``drop``) and for workers with different lane counts.
+- ``round_robin``: the next eligible worker in turn (a baseline).
+
+Everything here works on ``Candidate`` values, so it is unit-tested with
+plain data and no sockets.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+TOKEN_BLOCK = 16  # token ids per prefix block
+TEXT_BLOCK = 64  # characters per prefix block
+MAX_BLOCKS = 1024  # blocks hashed per prompt (longer prompts: their first 1024 blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """What routing knows of one eligible worker (estimated, not exact)."""
+
+    name: str
+    queued: int = 0
+    running: int = 0
+    free_lanes: int = 0
+
+    @property
+    def score(self) -> int:
+        return 4 * self.queued + self.running - self.free_lanes
+
+
+def prompt_blocks(args: Mapping[str, Any]) -> tuple[int, ...]:
+    """Chained block hashes of a request's prompt: ``tokens``, ``prompt`` or
+    ``messages``. Block ``i``'s hash covers blocks ``0..i``, so two prompts
+    share ``k`` leading hashes exactly when they share their first ``k`` blocks
+    (up to hash collisions, which only cost a cache miss). A trailing partial
+    block is not hashed: the worker's prefix cache reuses whole pieces too."""
+    tokens = args.get("tokens")
+    if isinstance(tokens, list) and tokens:
+        return _chain(tokens, TOKEN_BLOCK, 1)
+    prompt = args.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return _chain(prompt, TEXT_BLOCK, 2)
+    messages = args.get("messages")
+    if isinstance(messages, list) and messages:
+        text = "".join(
+            f"\x1e{m.get('role', '')}\x1f{m.get('content', '')}"
+            for m in messages
+            if isinstance(m, dict)
+        )
+        return _chain(text, TEXT_BLOCK, 3)
+    return ()
+
+
+def _chain(seq: Sequence[Any], size: int, salt: int) -> tuple[int, ...]:
+    out: list[int] = []
+    h = salt
+    for start in range(0, min(len(seq) - size + 1, MAX_BLOCKS * size), size):
+        block = seq[start : start + size]
+        h = hash((h, block if isinstance(block, str) else tuple(block)))
+        out.append(h)
+    return tuple(out)
+
+
+class PrefixIndex:
+    """Per worker, the prompt blocks the gateway routed there, LRU-bounded.
+
+    Approximate on purpose: it does not see the worker's evictions, only what
+    was sent; a wrong guess costs one cold prefill, never a wrong answer."""
+
+    def __init__(self, capacity: int = 65_536) -> None:
+        self.capacity = max(1, capacity)
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def insert(self, worker: str, blocks: Sequence[int]) -> None:
+        if not blocks:
+            return
+        lru = self._blocks.setdefault(worker, OrderedDict())
+        for h in blocks:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    def match(self, worker: str, blocks: Sequence[int]) -> int:
+        """How many leading blocks of ``blocks`` ``worker`` has seen."""
+        lru = self._blocks.get(worker)
+        if not lru:
+            return 0
+        n = 0
+        for h in blocks:
+            if h not in lru:
+                break
+            n += 1
+        return n
+
+    def forget(self, worker: str) -> None:
+        """The worker's cache is gone (it went down or restarted)."""
+        self._blocks.pop(worker, None)
+
+    def size(self, worker: str) -> int:
+        return len(self._blocks.get(worker, ()))
+
+
+class Router:
+    """Chooses a worker among candidates by the configured policy."""
+
+    def __init__(
+        self,
+        policy: str = "cache_aware",
+        *,
+        balance_threshold: float = 2.0,
+        cache_min_blocks: int = 8,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        if policy not in ("cache_aware", "least_loaded", "round_robin"):
+            raise ValueError(f"unknown routing policy {policy!r}")
+        self.policy = policy
+        self.balance_threshold = balance_threshold
+        self.cache_min_blocks = max(1, cache_min_blocks)
+        self.index = index or PrefixIndex()
+        self._turn = itertools.count()
+        self.cache_routed = 0  # decisions a prefix hit made (for stats)
+
+    def choose(
+        self, candidates: Sequence[Candidate], blocks: Sequence[int] = (), *, remember: bool = True
+    ) -> str | None:
+        """The worker for new work with prompt ``blocks``; None with no candidate.
+
+        With ``remember`` the prompt's blocks are recorded for the chosen
+        worker (it will hold that prefix once it has served the prompt)."""
+        if not candidates:
+            return None
+        if self.policy == "round_robin":
+            ordered = sorted(candidates, key=lambda c: c.name)
+            chosen = ordered[next(self._turn) % len(ordered)].name
+        elif self.policy == "least_loaded" or not blocks:
+            chosen = least_loaded(candidates)
+        else:
+            chosen = self._cache_aware(candidates, blocks)
+        if remember and self.policy == "cache_aware":
+            self.index.insert(chosen, blocks)
+        return chosen
+
+    def _cache_aware(self, candidates: Sequence[Candidate], blocks: Sequence[int]) -> str:
+        best_load = min(c.score for c in candidates)
+        best: Candidate | None = None
+        best_match = 0
+        for c in candidates:
+            matched = self.index.match(c.name, blocks)
+            if matched < self.cache_min_blocks or c.score > best_load + self.balance_threshold:
+                continue
+            if matched > best_match or (
+                best is not None and matched == best_match and c.score < best.score
+            ):
+                best, best_match = c, matched
+        if best is not None:
+            self.cache_routed += 1
+            return best.name
+        return least_loaded(candidates)
+
+    def forget(self, worker: str) -> None:
+        self.index.forget(worker)
+
+
+def least_loaded(candidates: Sequence[Candidate]) -> str:
+    """Lowest score; ties go to more free lanes, then to the name (stable)."""
+    return min(candidates, key=lambda c: (c.score, -c.free_lanes, c.name)).name

@@ -1,0 +1,422 @@
+"""The gateway's service on the shared edge: route, forward, map replies back.
+
+Clients speak the ordinary skiff protocol to the gateway's ROUTER (the edge
+checks every envelope and limit). Per request the gateway:
+
+1. picks a worker: the session's (affinity), else the routing policy's
+   (``gateway/router.py``); speech ops go to the least busy speech worker;
+2. gives it a gateway-unique id (clients choose their own ids, so two
+   clients' ids may collide) and forwards ``[header, *buffers]``: only the
+   header is encoded again, the buffer frames are the received ZeroMQ
+   frames sent on with ``copy=False``;
+3. maps each reply and stream event back: decode the header, put the
+   client's id back, send it with the worker's buffer frames untouched.
+
+``ping``, ``info`` (a worker's, cached, plus a ``gateway`` section),
+``stats`` (the workers' summed) and ``cancel`` are answered here, as are the
+gateway's own ``gateway_status`` and ``gateway_drain``. ``drop`` clears a
+session's affinity. A worker marked down ends every request in flight on it
+with ``worker_unavailable``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import msgpack
+import zmq
+
+from edge import EdgeServer, Handler, Outgoing, Request, failure_header, logs
+from faults import BadRequest, Cancelled, DeadlineExceeded, Fault, WorkerUnavailable
+from protocol.envelope import VERSION, error_reply, ok_reply
+
+from .affinity import AffinityTable
+from .config import GatewayConfig
+from .drain import Drainer
+from .ledger import Ledger
+from .metrics import GatewayMetrics
+from .ops import PROMPT_OPS, SPEECH_OPS, UNPLACED_OPS, OpTable, sessions_of
+from .pool import LLM, NOBLOCK, SPEECH, Pool, WorkerConn
+from .relay import Relay
+from .router import PrefixIndex, Router, prompt_blocks
+from .views import gateway_info, gateway_stats, gateway_status
+
+_log = logs.get_logger("skiff.gateway")
+
+TICK_S = 0.05
+RECV_BATCH = 512  # messages taken from one worker per turn
+
+
+class _NotSent(WorkerUnavailable):
+    """The worker's socket refused the message (no live connection, or full)."""
+
+
+class GatewayService:
+    """Implements ``edge.Service``; ``gateway/cli.py`` runs it."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        context: zmq.Context[Any],
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.ids = itertools.count(1)
+        self.pool = Pool(
+            context,
+            cfg.all_workers,
+            cfg.all_speech,
+            health_interval_ms=cfg.health_interval_ms,
+            down_after_ms=cfg.down_after_ms,
+            stall_after_ms=cfg.stall_after_ms,
+            listener=self,
+            ids=self.ids,
+        )
+        self.router = Router(
+            cfg.policy,
+            balance_threshold=cfg.balance_threshold,
+            cache_min_blocks=cfg.cache_min_blocks,
+            index=PrefixIndex(cfg.prefix_index_blocks),
+        )
+        self.affinity = AffinityTable()
+        self.ledger = Ledger(self.affinity)
+        self.held: dict[str, list[Request]] = {}  # sessions being moved -> waiting requests
+        self.drainer = Drainer(self)
+        self.started = time.monotonic()
+        self.forwarded = 0
+        self._out: list[Outgoing] = []
+        self.ready: set[zmq.Socket[Any]] = set()  # worker sockets the last poll found readable
+        self.relay: Relay | None = None  # set by attach(); until then replies go via the edge
+        self._next_tick = 0.0
+        local: dict[str, Handler] = {
+            "ping": lambda req: {"pong": True},
+            "info": lambda req: gateway_info(self),
+            "stats": lambda req: gateway_stats(self),
+            "cancel": self._cancel,
+            "gateway_status": lambda req: gateway_status(self),
+            "gateway_drain": self._drain,
+        }
+        self._handlers = OpTable(local, self._forward)
+
+    def attach(self, edge: EdgeServer) -> None:
+        """Send forwarded replies straight on ``edge``'s socket (the hot path)."""
+        self.relay = Relay(edge, self.peer_lost)
+
+    # -- edge.Service --------------------------------------------------------------
+
+    @property
+    def handlers(self) -> Mapping[str, Handler]:
+        return self._handlers
+
+    def has_work(self) -> bool:
+        return bool(self.ready or self._out) or time.monotonic() >= self._next_tick
+
+    def turn(self) -> list[Outgoing]:
+        now = time.monotonic()
+        if self.ready:
+            ready, self.ready = self.ready, set()
+            for sock in ready:
+                w = self.pool.by_socket.get(sock)
+                if w is None:
+                    continue
+                if sock is w.sock:
+                    self._recv(w, now)
+                else:
+                    self.pool.monitor_events(w, now)
+            if self.relay is not None:
+                self.relay.flush()
+        if now >= self._next_tick:
+            self._next_tick = now + TICK_S
+            self.pool.poll_monitors(now)  # (also seen through the poller; a cheap backstop)
+            self.pool.tick(now)
+            self.drainer.poll()
+            if self.metrics is not None:
+                self.metrics.refresh(self)
+        out, self._out = self._out, []
+        return out
+
+    def peer_lost(self, peer: bytes, reason: str) -> int:
+        """Cancel a vanished client's work on the workers; drop its held requests."""
+        gone = self.ledger.orphan(peer)
+        for rec in gone:
+            self.pool.call(rec.worker, "cancel", args={"id": rec.gid})
+        lost = len(gone)
+        for session, waiting in self.held.items():
+            kept = [r for r in waiting if r.peer != peer]
+            lost += len(waiting) - len(kept)
+            self.held[session] = kept
+        return lost
+
+    def housekeeping(self, now: float) -> None:
+        pass
+
+    # -- worker -> client (the hot path) -----------------------------------------------
+
+    def _recv(self, w: WorkerConn, now: float) -> None:
+        """Up to ``RECV_BATCH`` replies from ``w``, each mapped to its client:
+        decode the header, put the client's id back, send it on with the
+        received buffer frames (``gateway/relay.py``)."""
+        sock = w.sock
+        relay = self.relay
+        for _ in range(RECV_BATCH):
+            try:  # until empty: a failed recv (~8 us) beats a ZMQ_EVENTS check per message (~4 us)
+                first = sock.recv(NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            buffers: list[zmq.Frame] = []
+            more = first.more
+            while more:
+                frame = sock.recv(NOBLOCK, copy=False)
+                buffers.append(frame)
+                more = frame.more
+            w.last_seen = now
+            try:
+                # A worker is a trusted peer: no size or depth caps on its headers.
+                header = msgpack.unpackb(first.bytes, raw=False, strict_map_key=False)
+                gid = header.get("id")
+            except Exception as exc:
+                _log.error("worker_reply_undecodable", worker=w.name, error=str(exc))
+                continue
+            rec = self.ledger.get(gid) if type(gid) is int else None
+            if rec is None:
+                if type(gid) is int and not self.pool.answer_call(gid, header, buffers):
+                    _log.debug("stale_reply", worker=w.name, id=gid)
+                continue
+            ok = header.get("ok") is True
+            if rec.placed and ok:
+                self.ledger.confirm(rec)
+            if not ok or "event" not in header or header.get("done"):
+                self.ledger.finish(rec, ok)
+            if rec.peer is None:
+                continue
+            header["id"] = rec.client_id
+            if relay is not None:
+                relay.send(rec.peer, header, buffers)
+            else:
+                self._out.append(Outgoing(rec.peer, header, buffers))
+            if self.metrics is not None:
+                self.metrics.to_client(len(first), buffers)
+
+    # -- client -> worker -----------------------------------------------------------
+
+    def _forward(self, req: Request) -> dict[str, Any] | None:
+        if req.op in SPEECH_OPS:
+            self._dispatch(req, self._speech_worker(), (), placed=False)
+            return None
+        sessions = sessions_of(req)
+        for s in sessions:
+            waiting = self.held.get(s)
+            if waiting is not None:
+                waiting.append(req)  # its session is moving; sent on when it lands
+                return None
+            lost = self.affinity.lost_on(s)
+            if lost is not None and self.affinity.worker_of(s) is None:
+                if req.op == "drop":  # the client lets it go: the name is free again
+                    self.affinity.forget_lost(s)
+                    return {}
+                raise WorkerUnavailable(
+                    f"session {s!r} was on worker {lost}, which went down: its state is "
+                    "lost; drop it to start a new session of that name"
+                )
+        worker, placed, chosen = self._place(req, sessions)
+        try:
+            self._dispatch(req, worker, sessions, placed)
+        except _NotSent:
+            # Its connection just went (ZMQ_IMMEDIATE refused the send): let the
+            # monitor say so, and give new work one more choice among the others.
+            self.pool.monitor_events(worker, time.monotonic())
+            if not chosen:
+                raise
+            worker, placed, _ = self._place(req, sessions, exclude=worker)
+            self._dispatch(req, worker, sessions, placed)
+        return None
+
+    def _place(
+        self, req: Request, sessions: tuple[str, ...], exclude: WorkerConn | None = None
+    ) -> tuple[WorkerConn, bool, bool]:
+        """The worker for ``req``, whether new placements were made, and
+        whether the policy chose it (rather than the sessions' affinity)."""
+        known = {w for s in sessions if (w := self.affinity.worker_of(s)) is not None}
+        if len(known) > 1:
+            raise BadRequest(
+                f"the sessions of this {req.op} live on different workers; "
+                "a batch must name sessions of one worker"
+            )
+        chosen = not known
+        if known:
+            worker = self.pool.workers[known.pop()]
+            if not worker.up:
+                raise WorkerUnavailable(f"worker {worker.name} holding the session is down")
+        else:
+            worker = self._choose(req, exclude)
+        new = [s for s in sessions if self.affinity.worker_of(s) is None]
+        if not new or req.op in UNPLACED_OPS:
+            return worker, False, chosen
+        now = time.monotonic()
+        for s in new:
+            self.affinity.assign(s, worker.name, now)
+        worker.lanes_taken += len(new)
+        return worker, True, chosen
+
+    def _choose(self, req: Request, exclude: WorkerConn | None = None) -> WorkerConn:
+        """New work: the routing policy over eligible LLM workers."""
+        candidates = [
+            w.candidate()
+            for w in self.pool.workers.values()
+            if w.kind == LLM and w.eligible and w is not exclude
+        ]
+        blocks = prompt_blocks(req.args) if req.op in PROMPT_OPS else ()
+        name = self.router.choose(candidates, blocks)
+        if name is None:
+            raise WorkerUnavailable("no LLM worker is up")
+        return self.pool.workers[name]
+
+    def _speech_worker(self) -> WorkerConn:
+        up = [w for w in self.pool.workers.values() if w.kind == SPEECH and w.eligible]
+        if not up:
+            raise WorkerUnavailable("no speech worker is up")
+        return min(up, key=lambda w: (len(w.inflight), w.name))
+
+    def _dispatch(
+        self, req: Request, w: WorkerConn, sessions: tuple[str, ...], placed: bool
+    ) -> None:
+        """Send ``req`` to ``w`` under a gateway id; raises a Fault when it cannot."""
+        gid = next(self.ids)
+        header: dict[str, Any] = {"v": VERSION, "id": gid, "op": req.op}
+        if req.session is not None:
+            header["session"] = req.session
+        if req.args:
+            header["args"] = req.args
+        if req.deadline is not None:
+            left = int((req.deadline - time.monotonic()) * 1000)
+            if left <= 0:
+                if placed:
+                    self.ledger.unplace(w, sessions)
+                raise DeadlineExceeded("deadline_ms passed before a worker was free")
+            header["deadline_ms"] = left
+        sent = self.pool.send(w, header, req.buffers)
+        if not sent:
+            if placed:
+                self.ledger.unplace(w, sessions)
+            raise _NotSent(f"worker {w.name} is not accepting requests")
+        self.ledger.open(gid, req.peer, req.id, req.op, w, sessions, placed)
+        self.forwarded += 1
+        if req.op == "drop" and req.session is not None:
+            self.affinity.drop_started(req.session)
+        if self.metrics is not None:
+            self.metrics.to_worker(sent)
+
+    def send_later(self, req: Request) -> None:
+        """Route and send a request outside its handler (a held one); a failure
+        becomes its error reply."""
+        try:
+            result = self._handlers[req.op](req)
+        except Exception as exc:
+            self._out.append(Outgoing(req.peer, failure_header(req.id, exc, req.op)))
+            return
+        if result is not None:
+            self._out.append(Outgoing(req.peer, ok_reply(req.id, result)))
+
+    # -- local ops -------------------------------------------------------------------
+
+    def _cancel(self, req: Request) -> dict[str, Any] | None:
+        target = req.args.get("id")
+        if type(target) is not int:
+            raise BadRequest("args.id must be an integer")
+        rec = self.ledger.of_client(req.peer, target)
+        if rec is None:
+            for waiting in self.held.values():
+                for queued in waiting:
+                    if queued.peer == req.peer and queued.id == target:
+                        waiting.remove(queued)
+                        err = Cancelled("cancelled while its session was being moved")
+                        self._out.append(Outgoing(queued.peer, failure_header(target, err)))
+                        return {"cancelled": True}
+            return {"cancelled": False}
+        # The worker cancels by its own id (ours); its answer comes back to this client.
+        self._dispatch(dataclasses.replace(req, args={"id": rec.gid}), rec.worker, (), False)
+        return None
+
+    def _drain(self, req: Request) -> dict[str, Any] | None:
+        name = req.args.get("worker")
+        worker = self.pool.workers.get(name) if isinstance(name, str) else None
+        if worker is None or worker.kind != LLM:
+            raise BadRequest(f"args.worker must be one of {sorted(self.pool.workers)}")
+        peer, rid = req.peer, req.id
+
+        def done(result: dict[str, Any] | Fault) -> None:
+            if isinstance(result, Fault):
+                self._out.append(Outgoing(peer, failure_header(rid, result, "gateway_drain")))
+            else:
+                self._out.append(Outgoing(peer, ok_reply(rid, result)))
+
+        self.drainer.start(worker, done)
+        return None
+
+    # -- what drains ask of the service (gateway/drain.py) -------------------------------
+
+    def hold(self, session: str) -> None:
+        self.held.setdefault(session, [])
+
+    def release(self, session: str) -> None:
+        for req in self.held.pop(session, []):
+            self.send_later(req)
+
+    def busy(self, session: str) -> bool:
+        return self.ledger.busy(session)
+
+    def client_work(self, w: WorkerConn, ignore: Collection[str] = ()) -> int:
+        return self.ledger.client_work(w, ignore)
+
+    def migrated(self, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.migrated(result)
+
+    def drains(self) -> list[dict[str, Any]]:
+        return self.drainer.active()
+
+    # -- pool listener ---------------------------------------------------------------
+
+    def worker_down(self, worker: WorkerConn, reason: str) -> None:
+        message = f"worker {worker.name} is unavailable: {reason}"
+        for gid in list(worker.inflight):
+            rec = self.ledger.get(gid)
+            if rec is None:
+                continue
+            self.ledger.finish(rec, False)
+            if rec.peer is not None:
+                reply = error_reply(rec.client_id, "worker_unavailable", message)
+                self._out.append(Outgoing(rec.peer, reply))
+        worker.inflight.clear()
+        dropped = self.affinity.drop_worker(worker.name)
+        self.router.forget(worker.name)
+        if dropped:
+            _log.warning("sessions_lost", worker=worker.name, sessions=len(dropped))
+        if self.metrics is not None:
+            self.metrics.worker_down(worker)
+
+    def worker_up(self, worker: WorkerConn) -> None:
+        self.router.forget(worker.name)  # a (re)started worker's prefix cache is empty
+
+    def worker_stats(self, worker: WorkerConn, stats: dict[str, Any], asked_at: float) -> None:
+        if worker.kind != LLM:
+            return
+        listed = [
+            str(s.get("session"))
+            for s in stats.get("sessions") or ()
+            if isinstance(s, dict) and not s.get("ephemeral") and s.get("session")
+        ]
+
+        def busy(session: str) -> bool:
+            return self.ledger.busy(session) or session in self.held
+
+        added, removed = self.affinity.rebuild(worker.name, listed, asked_at, busy)
+        if added or removed:
+            _log.info(
+                "affinity_rebuilt", worker=worker.name, added=added[:16], removed=removed[:16]
+            )

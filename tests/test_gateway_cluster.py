@@ -1,0 +1,300 @@
+"""The gateway in front of two real workers, all as processes on loopback.
+
+One cluster for the module (``skiff-gateway`` + 2 workers with 4 lanes of
+512 cells); the tests run in order and leave no named session behind:
+
+- 16 concurrent conversations spread over both workers, every follow-up on
+  the worker holding the session (checked in the workers' own ``stats``);
+- SIGKILL of a worker mid-stream ends its stream with ``worker_unavailable``
+  within 2 s while new work succeeds on the other; restarted on the same
+  endpoint it takes new sessions again;
+- ``skiff-gateway drain`` moves live sessions (requests keep coming while
+  they move) and their greedy continuations equal a reference run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol import Client, SkiffError
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER_ARGS = ("--lanes", "4", "--ctx", "2048", "--threads", "1")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "SKIFF_LOG_FORMAT": "json"},
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _until(cond: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
+        time.sleep(0.05)
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.endpoints = [f"ipc://{tmp}/w{i}.sock" for i in (1, 2)]
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        for ep in self.endpoints:
+            self.start_worker(ep)
+        self.gateway_ep = f"ipc://{tmp}/gw.sock"
+        self.metrics_port = _free_port()
+        args = ["gateway.cli", "--bind", self.gateway_ep, "--metrics-port", str(self.metrics_port)]
+        for ep in self.endpoints:
+            args += ["--worker", ep]
+        self.gateway = _spawn(args, tmp / "gateway.log")
+        for ep in self.endpoints:
+            self.wait_worker(ep)
+        _until(lambda: all(w["up"] for w in self.status()["workers"]), what="workers up")
+
+    def start_worker(self, ep: str) -> None:
+        name = ep.rsplit("/", 1)[-1]
+        self.workers[ep] = _spawn(
+            ["worker.cli", "--bind", ep, *WORKER_ARGS], self.tmp / f"{name}.log"
+        )
+
+    def wait_worker(self, ep: str) -> None:
+        proc = self.workers[ep]
+        with Client(ep) as c:
+            c.wait_ready(90, alive=lambda: proc.poll() is None)
+
+    def client(self, timeout_ms: int = 60_000) -> Client:
+        return Client(self.gateway_ep, timeout_ms=timeout_ms)
+
+    def status(self) -> dict[str, Any]:
+        with self.client(5_000) as c:
+            result: dict[str, Any] = c.call("gateway_status").result
+            return result
+
+    def holders(self, session: str) -> list[str]:
+        """The workers whose own ``stats`` list ``session`` (asked directly)."""
+        out = []
+        for ep in self.endpoints:
+            if self.workers[ep].poll() is not None:
+                continue
+            with Client(ep, timeout_ms=10_000) as c:
+                if any(s["session"] == session for s in c.stats()["sessions"]):
+                    out.append(ep)
+        return out
+
+    def named_sessions(self, ep: str) -> list[str]:
+        with Client(ep, timeout_ms=10_000) as c:
+            return [s["session"] for s in c.stats()["sessions"] if not s.get("ephemeral")]
+
+    def close(self) -> None:
+        procs = [self.gateway, *self.workers.values()]
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("gwc"))
+    yield c
+    c.close()
+
+
+def test_concurrent_sessions_spread_and_follow_ups_stay(cluster: Cluster) -> None:
+    def conversation(i: int) -> str:
+        session = f"conv{i}"
+        with cluster.client() as c:
+            args = {"prompt": f"Story {i}: the {i}th lighthouse", "max_tokens": 4, "stream": False}
+            c.call("generate", session, args)  # waits in a worker's queue while lanes are full
+            (holder,) = cluster.holders(session)
+            for turn in range(2):
+                more = {"prompt": f" Then turn {turn}", "max_tokens": 3, "stream": False}
+                assert c.call("generate", session, more).result["finish_reason"]
+                assert cluster.holders(session) == [holder]  # continued there, nowhere else
+            placed = {s: w["endpoint"] for w in cluster.status()["workers"] for s in w["sessions"]}
+            assert placed[session] == holder
+            c.drop(session)
+        return holder
+
+    with ThreadPoolExecutor(16) as pool:
+        holders = list(pool.map(conversation, range(16)))
+    assert set(holders) == set(cluster.endpoints), holders
+    assert all(cluster.named_sessions(ep) == [] for ep in cluster.endpoints)
+    status = cluster.status()
+    assert status["sessions"] == 0, [w["sessions"] for w in status["workers"]]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics").read()
+    lines = text.decode().splitlines()
+    assert 'skiff_gateway_workers_up{kind="llm"} 2.0' in lines
+    ok = [
+        ln
+        for ln in lines
+        if ln.startswith("skiff_gateway_responses_total{")
+        and 'op="generate"' in ln
+        and 'code="ok"' in ln
+    ]
+    assert ok and float(ok[0].split()[-1]) >= 48
+
+
+def _follow(endpoint: str, args: dict[str, Any], seen: list[float], end: dict[str, Any]) -> None:
+    """Read one stream to its end: event times into ``seen``, how it ended into ``end``."""
+    with Client(endpoint, timeout_ms=30_000) as c:
+        rid = c.send("generate", None, {**args, "stream": True})
+        end["id"] = rid
+        try:
+            for reply in c.follow(rid):
+                seen.append(time.monotonic())
+                end["last"] = reply.header
+        except SkiffError as exc:
+            end["code"] = exc.code
+        end["at"] = time.monotonic()
+
+
+def test_killed_worker_ends_its_streams_and_rejoins_after_restart(cluster: Cluster) -> None:
+    args = {"prompt": "Count slowly:", "max_tokens": 250, "ignore_eos": True}
+    runs: list[tuple[list[float], dict[str, Any]]] = []
+    threads = []
+    for _ in range(2):  # one stream per worker: the second sees the first's load
+        seen: list[float] = []
+        end: dict[str, Any] = {}
+        t = threading.Thread(target=_follow, args=(cluster.gateway_ep, args, seen, end))
+        t.start()
+        runs.append((seen, end))
+        threads.append(t)
+        _until(lambda seen=seen: len(seen) >= 3, what="stream started")  # type: ignore[misc]
+    victim, survivor = cluster.endpoints
+    assert [len(cluster.named_sessions(ep)) for ep in cluster.endpoints] == [0, 0]
+    for ep in cluster.endpoints:  # each worker runs one of the streams
+        with Client(ep) as c:
+            assert [s["ephemeral"] for s in c.stats()["sessions"]] == [True]
+    killed_at = time.monotonic()
+    cluster.workers[victim].kill()
+    cluster.workers[victim].wait(10)
+    # new work goes to the survivor at once
+    with cluster.client() as c:
+        assert c.call("generate", None, {"prompt": "Hi", "max_tokens": 2, "stream": False}).result
+        assert c.prefill("after-kill", c.tokenize("A new session")) > 0
+    assert cluster.holders("after-kill") == [survivor]
+    _until(lambda: any(e.get("code") for _, e in runs), timeout_s=10, what="stream error")
+    ended = [end for _, end in runs if end.get("code")]
+    assert len(ended) == 1 and ended[0]["code"] == "worker_unavailable"
+    assert ended[0]["at"] - killed_at < 2.0, ended[0]["at"] - killed_at
+    down = {w["endpoint"]: w["up"] for w in cluster.status()["workers"]}
+    assert down == {victim: False, survivor: True}
+    # the survivor's stream runs to its end
+    (live,) = [end for _, end in runs if not end.get("code")]
+    for t in threads:
+        t.join(60)
+    assert live["last"]["done"] and live["last"]["finish_reason"] == "length"
+
+    cluster.start_worker(victim)
+    cluster.wait_worker(victim)
+    _until(lambda: all(w["up"] for w in cluster.status()["workers"]), what="rejoin")
+    with cluster.client() as c:
+        names = [f"fresh{i}" for i in range(4)]
+        for name in names:
+            c.prefill(name, c.tokenize(f"Session {name} starts here"))
+        placed = {name: cluster.holders(name) for name in names}
+        assert any(h == [victim] for h in placed.values()), placed  # it takes sessions again
+        for name in [*names, "after-kill"]:
+            c.drop(name)
+
+
+PROMPTS = [
+    "The lighthouse keeper climbed the stairs every evening, and",
+    "In the village library, a curious student found",
+    "The morning train crossed the bridge over the canal while",
+]
+BEFORE, AFTER = 6, 12  # greedy decode steps before and after the move
+
+
+def _greedy(client: Client, session: str, token: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        token = int(client.decode(session, token)["token"])
+        out.append(token)
+    return out
+
+
+def test_drain_moves_live_sessions_and_continuations_are_exact(cluster: Cluster) -> None:
+    names = [f"mv{i}" for i in range(len(PROMPTS))]
+    got: dict[str, list[int]] = {}
+    with cluster.client() as c:
+        prompts = {n: c.tokenize(p) for n, p in zip(names, PROMPTS, strict=True)}
+        for n in names:
+            got[n] = [int(c.prefill_sampled(n, prompts[n])["token"])]
+            got[n] += _greedy(c, n, got[n][-1], BEFORE)
+    where = {n: cluster.holders(n) for n in names}
+    assert all(len(h) == 1 for h in where.values()), where
+    counts = {ep: sum(h == [ep] for h in where.values()) for ep in cluster.endpoints}
+    source = max(counts, key=lambda ep: counts[ep])
+    target = next(ep for ep in cluster.endpoints if ep != source)
+    moving = [n for n in names if where[n] == [source]]
+
+    # decode every session while the drain runs: requests for a moving session wait for it
+    def keep_decoding() -> None:
+        with cluster.client() as c:
+            for _ in range(AFTER):
+                for n in names:
+                    got[n] += _greedy(c, n, got[n][-1], 1)
+
+    worker = threading.Thread(target=keep_decoding)
+    worker.start()
+    time.sleep(0.05)  # a few steps in flight before the drain starts
+    drain = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "drain", source, "--gateway", cluster.gateway_ep],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    worker.join(120)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    result = json.loads(drain.stdout)
+    assert sorted(m["session"] for m in result["moved"]) == sorted(moving)
+    assert all(m["to"] == target for m in result["moved"]) and result["failed"] == []
+    assert cluster.named_sessions(source) == []
+    assert sorted(cluster.named_sessions(target)) == sorted(names)
+    view = {w["endpoint"]: w for w in cluster.status()["workers"]}
+    assert view[source]["drained"] and sorted(view[target]["sessions"]) == sorted(names)
+
+    # reference: the same prompts, greedy, one session at a time, on the drained worker
+    with Client(source, timeout_ms=60_000) as ref:
+        for n in names:
+            first = int(ref.prefill_sampled("ref", prompts[n])["token"])
+            expected = [first, *_greedy(ref, "ref", first, BEFORE + AFTER)]
+            ref.drop("ref")
+            assert got[n] == expected, n
+    with cluster.client() as c:
+        for n in names:
+            c.drop(n)
