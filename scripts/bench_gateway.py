@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""The gateway's cost: two workers driven directly vs through skiff-gateway.
+
+    .venv/bin/python scripts/bench_gateway.py [--concurrency 8] [--requests 32]
+
+One run, same machine, same workers:
+- aggregate output tok/s of ``skiff-loadtest`` (closed loop, greedy,
+  ``ignore_eos``) against the two workers directly (requests round-robin),
+  then through the gateway's ZeroMQ front, then its HTTP front
+  (OpenAI ``/v1/completions``, streamed), then directly again; the ratio is
+  taken against the mean of the two direct runs (the bar: >= 0.95);
+- the gateway's overhead per streamed message: round trips of a forwarded
+  op (``tokenize`` of one word; the gateway answers ``ping`` itself)
+  through the gateway minus direct ones, p50 over many, on an idle system;
+  a round trip crosses the gateway twice, so a streamed token, which
+  crosses it once, costs about half (the bar: <= 100 us p50); and the
+  inter-token p50 of the loaded runs side by side.
+
+Each worker gets one compute thread so the two do not fight over the two
+cores; the gateway takes what is left, as it would on a real host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loadtest import run_load  # noqa: E402
+from protocol import Client  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def wait_ping(endpoint: str, proc: subprocess.Popen[bytes]) -> None:
+    with Client(endpoint) as c:
+        c.wait_ready(300, alive=lambda: proc.poll() is None)
+
+
+def wait_http(url: str, timeout_s: float = 60) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}/health never answered 200")
+
+
+def round_trip_us(endpoint: str, n: int) -> list[float]:
+    """Round trips of a cheap op every worker answers at once (``tokenize``)."""
+    with Client(endpoint) as c:
+        for _ in range(50):
+            c.tokenize("hello")
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            c.tokenize("hello")
+            out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def bare_echo_us(tmp: Path, n: int) -> list[float]:
+    """The floor: a pyzmq DEALER -> ROUTER echo between two processes, no skiff
+    code (what one crossing of any Python ZeroMQ hop costs on this machine)."""
+    endpoint = f"ipc://{tmp}/echo.sock"
+    code = (
+        "import zmq\n"
+        f"s = zmq.Context().socket(zmq.ROUTER); s.bind({endpoint!r})\n"
+        "while True:\n"
+        "    s.send_multipart(s.recv_multipart(copy=False), copy=False)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(endpoint)
+        for _ in range(100):
+            sock.send(b"x")
+            sock.recv()
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sock.send(b"x")
+            sock.recv()
+            out.append((time.perf_counter() - t0) * 1e6)
+        sock.close(linger=0)
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def requests_served(endpoints: list[str]) -> list[int]:
+    out = []
+    for ep in endpoints:
+        with Client(ep) as c:
+            out.append(int(c.stats()["requests"]))
+    return out
+
+
+def wait_routed(endpoint: str, timeout_s: float = 60) -> None:
+    """Until the gateway forwards work (its own ``ping`` answers before any worker is up)."""
+    deadline = time.monotonic() + timeout_s
+    with Client(endpoint, timeout_ms=2_000) as c:
+        while time.monotonic() < deadline:
+            try:
+                c.tokenize("hello")
+                return
+            except Exception:
+                time.sleep(0.2)
+    raise RuntimeError("the gateway never forwarded a request")
+
+
+def load(endpoints: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    return run_load(
+        endpoints=endpoints,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        ignore_eos=True,
+        timeout_ms=300_000,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--pings", type=int, default=2000, help="round trips timed")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the loads")
+    args = ap.parse_args()
+    py = sys.executable
+    with tempfile.TemporaryDirectory(prefix="skiff-gw-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            workers = [f"ipc://{tmp}/w{i}.sock" for i in range(2)]
+            for i, ep in enumerate(workers):
+                cmd = [py, "-m", "worker.cli", "--bind", ep, "--threads", "1"]
+                cmd += ["--lanes", "8", "--ctx", "8192"]
+                procs.append(start(cmd, tmp / f"w{i}.log"))
+            for ep, proc in zip(workers, procs, strict=True):
+                wait_ping(ep, proc)
+            gateway = f"ipc://{tmp}/gw.sock"
+            http = f"http://127.0.0.1:{free_port()}"
+            cmd = [py, "-m", "gateway.cli", "--bind", gateway, "--http", http[len("http://") :]]
+            cmd += ["--policy", "least_loaded", "--log-level", "warning"]
+            for ep in workers:
+                cmd += ["--worker", ep]
+            procs.append(start(cmd, tmp / "gateway.log"))
+            wait_ping(gateway, procs[-1])
+            wait_routed(gateway)
+            wait_http(http)
+
+            direct_rt = round_trip_us(workers[0], args.pings)
+            gw_rt = round_trip_us(gateway, args.pings)
+            echo_rt = bare_echo_us(tmp, args.pings)
+            # alternate the fronts so drift on a noisy machine hits each alike
+            runs: dict[str, list[dict[str, Any]]] = {}
+            splits: dict[str, list[int]] = {}
+            for _ in range(args.rounds):
+                for name, eps in (("direct", workers), ("gateway (ZeroMQ)", [gateway])):
+                    before = requests_served(workers)
+                    runs.setdefault(name, []).append(load(eps, args))
+                    after = requests_served(workers)
+                    split = [b - a for a, b in zip(before, after, strict=True)]
+                    splits[name] = [
+                        x + y for x, y in zip(splits.get(name, [0, 0]), split, strict=True)
+                    ]
+                runs.setdefault("gateway (HTTP)", []).append(load([http], args))
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    def tok_s(name: str) -> float:
+        return statistics.mean(r["throughput"]["output_tok_s"] for r in runs[name])
+
+    base = tok_s("direct")
+    print(
+        f"2 workers (1 thread each), closed loop c={args.concurrency}, "
+        f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} alternating rounds"
+    )
+    for name, rs in runs.items():
+        each = " / ".join(f"{r['throughput']['output_tok_s']:.1f}" for r in rs)
+        itl = statistics.mean(r["itl_ms"]["p50"] for r in rs)
+        errors = sum(r["requests"]["errors"] for r in rs)
+        split = f" | requests per worker {splits[name]}" if name in splits else ""
+        print(
+            f"  {name:17s} {tok_s(name):6.1f} tok/s ({each}) | ratio to direct "
+            f"{tok_s(name) / base:.3f} | ITL p50 {itl:.1f} ms | errors {errors}{split}"
+        )
+    d50, g50 = statistics.median(direct_rt), statistics.median(gw_rt)
+    print(
+        f"  tokenize round trip p50: direct {d50:.0f} us | through the gateway {g50:.0f} us | "
+        f"extra {g50 - d50:.0f} us per round trip = ~{(g50 - d50) / 2:.0f} us per message "
+        f"(a streamed token crosses once; bar <= 100 us)"
+    )
+    e50 = statistics.median(echo_rt)
+    print(
+        f"  floor, same run: bare pyzmq echo between two processes p50 {e50:.0f} us "
+        f"(~{e50 / 2:.0f} us per crossing); gateway extra per message = "
+        f"{(g50 - d50) / 2 / (e50 / 2):.2f} x one bare crossing"
+    )
+
+
+if __name__ == "__main__":
+    main()
