@@ -819,9 +819,14 @@ def test_stage_launches_other_jobs_while_a_forward_is_down_the_chain() -> None:
     assert [h.rt.sessions_of(i) for i in range(2)] == [[h.session(a)], [h.session(b)]]
     assert h.tokens(a) == [] and h.tokens(b) == []
     rt.deliver(0)
-    h.turn()  # a lands (its first token goes out) and its next step launches
+    h.turn()  # a lands: its first token goes out ...
     assert len(h.tokens(a)) == 1 and h.tokens(b) == []
-    assert h.rt.sessions_of(2) == [h.session(a)]
+    assert len(rt.calls) == 2  # ... and its decode waits to rejoin b, still in flight
+    rt.deliver(0)
+    h.turn()
+    # one batch again: streams never drift into two half-size batches
+    assert h.rt.sessions_of(2) == [h.session(a), h.session(b)]
+    assert len(h.tokens(b)) == 1
 
 
 def test_stage_never_has_more_forwards_in_flight_than_its_credit() -> None:

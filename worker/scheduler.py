@@ -157,8 +157,8 @@ class Scheduler:
         now = time.monotonic()
         self._reap(now)
         self._start_pending(now)
-        if len(self.flying) >= max(1, self.cfg.chain_credit):
-            self._land(_LAND_WAIT_MS)  # out of credit: wait for the chain
+        if len(self.flying) >= max(1, self.cfg.chain_credit) or self._rejoin():
+            self._land(_LAND_WAIT_MS)  # out of credit, or decodes waiting to rejoin
             return
         steps, owners = self._plan()
         if not steps:
@@ -208,6 +208,16 @@ class Scheduler:
                 self._finish(job, None)
 
     # -- a pipeline stage: forwards in flight down the chain ----------------------
+
+    def _rejoin(self) -> bool:
+        """True when only decode rows are ready while a forward is in flight:
+        they wait to go with the streams in flight instead of forming a second,
+        smaller batch (streams out of phase would halve every batch after).
+        What overlaps a forward in flight is new work: prompts, batches."""
+        if not self.flying:
+            return False
+        ready = [j for j in self.active if j not in self._flying_jobs]
+        return bool(ready) and all(j.phase == PHASE_DECODE for j in ready)
 
     def _launch(self, steps: list[Step], owners: list[tuple[Job, int]]) -> None:
         """Send the turn's forward down the chain and go on: its jobs sit out
