@@ -52,34 +52,11 @@ def start(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen[bytes], st
     return proc, endpoint
 
 
-def throughput(endpoint: str, concurrency: int, max_tokens: int) -> float:
-    done = [0] * concurrency
-
-    def one(i: int) -> None:
-        with Client(endpoint, timeout_ms=300_000) as c:
-            r = c.call(
-                "generate",
-                None,
-                {
-                    "prompt": PROMPTS[i],
-                    "max_tokens": max_tokens,
-                    "stream": False,
-                    "ignore_eos": True,
-                },
-            )
-            done[i] = len(r.result["tokens"])
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(done) / (time.perf_counter() - t0)
-
-
-def staggered(endpoint: str, streams: int, max_tokens: int, gap_ms: int) -> float:
-    """Aggregate tok/s of ``streams`` generations started ``gap_ms`` apart."""
+def generations(
+    endpoint: str, streams: int, max_tokens: int, gap_ms: int = 0, prompt_repeat: int = 1
+) -> float:
+    """Aggregate tok/s of ``streams`` concurrent generations, started
+    ``gap_ms`` apart (0: all at once)."""
     done = [0] * streams
 
     def one(i: int) -> None:
@@ -89,7 +66,7 @@ def staggered(endpoint: str, streams: int, max_tokens: int, gap_ms: int) -> floa
                 "generate",
                 None,
                 {
-                    "prompt": PROMPTS[i % len(PROMPTS)] * 4,
+                    "prompt": PROMPTS[i % len(PROMPTS)] * prompt_repeat,
                     "max_tokens": max_tokens,
                     "stream": False,
                     "ignore_eos": True,
@@ -104,6 +81,15 @@ def staggered(endpoint: str, streams: int, max_tokens: int, gap_ms: int) -> floa
     for t in threads:
         t.join()
     return sum(done) / (time.perf_counter() - t0)
+
+
+def throughput(endpoint: str, concurrency: int, max_tokens: int) -> float:
+    return generations(endpoint, concurrency, max_tokens)
+
+
+def staggered(endpoint: str, streams: int, max_tokens: int, gap_ms: int) -> float:
+    """A new (longer) prompt every ``gap_ms`` while the others decode."""
+    return generations(endpoint, streams, max_tokens, gap_ms, prompt_repeat=4)
 
 
 def step_ms(endpoint: str, steps: int = 32) -> tuple[float, list[int], np.ndarray]:
