@@ -41,26 +41,6 @@ from .openai_errors import ApiError, from_skiff, unavailable
 log = get_logger("gateway.http")
 
 TEXT_CACHE_LIMIT = 1 << 16  # token texts kept (a few MiB at most)
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-
-
-class _Client(AsyncClient):
-    def __init__(self, endpoint: str, timeout_ms: int) -> None:
-        super().__init__(endpoint, timeout_ms=timeout_ms)
-        # The base class connects at once; reconnect under a monitor so the
-        # first CONNECTED event cannot be missed (nothing was sent yet).
-        self._sock.disconnect(endpoint)
-        self.monitor = self._sock.get_monitor_socket(_MONITORED)
-        self._sock.connect(endpoint)
-
-    def forget(self, req_id: int) -> None:
-        """Stop routing replies of ``req_id`` (after its last one, or a cancel)."""
-        self._queues.pop(req_id, None)
-
-    async def close(self) -> None:
-        self._sock.disable_monitor()
-        self.monitor.close(linger=0)
-        await super().close()
 
 
 @dataclass
@@ -84,7 +64,7 @@ class Upstream:
         down_after_s: float = 3.0,
     ) -> None:
         self.endpoint = endpoint
-        self.client = _Client(endpoint, timeout_ms=int(timeout_s * 1000))
+        self.client = AsyncClient(endpoint, timeout_ms=int(timeout_s * 1000), monitor=True)
         self.interval_s = interval_s
         self.down_after_s = down_after_s
         self.up: bool | None = None  # answers ping; None until the first ping settles it
@@ -111,8 +91,10 @@ class Upstream:
         return not self.connected and self.up is False
 
     async def _watch(self) -> None:
+        monitor = self.client.monitor
+        assert monitor is not None  # made with monitor=True
         while True:
-            message = await self.client.monitor.recv_multipart()
+            message = await monitor.recv_multipart()
             event = parse_monitor_message(message)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True

@@ -167,16 +167,15 @@ class Pool:
         opts = sockets.SocketOptions(max_message_bytes=-1)  # workers are trusted peers
         for kind, endpoints in ((LLM, llm), (SPEECH, speech)):
             for ep in endpoints:
-                sock = sockets.dealer(context, ep, opts)
+                sock = sockets.dealer(context, ep, opts, connect=False)
                 # These apply to connections made after they are set.
                 sock.setsockopt(zmq.IMMEDIATE, 1)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
                 sock.setsockopt(zmq.HEARTBEAT_IVL, health_interval_ms)
                 sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, down_after_ms)
                 sock.setsockopt(zmq.HEARTBEAT_TTL, min(down_after_ms, 6_553_500))
-                sock.disconnect(ep)
-                sock.connect(ep)
                 monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                sock.connect(ep)
                 self.workers[ep] = WorkerConn(ep, kind, sock, monitor)
         self.by_socket: dict[zmq.Socket[Any], WorkerConn] = {}
         for w in self.workers.values():

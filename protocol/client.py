@@ -385,9 +385,18 @@ class AsyncClient(_Ops):
         timeout_ms: int = 120_000,
         context: zmq.asyncio.Context | None = None,
         options: sockets.SocketOptions | None = None,
+        monitor: bool = False,
     ) -> None:
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = sockets.dealer(self._ctx, endpoint, options)
+        self._sock = sockets.dealer(self._ctx, endpoint, options, connect=False)
+        # With ``monitor``, connect / disconnect events arrive on ``self.monitor``
+        # (set up before connecting, so the first connection is not missed).
+        self.monitor: zmq.asyncio.Socket | None = None
+        if monitor:
+            self.monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+            )
+        self._sock.connect(endpoint)
         self.timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[Reply]] = {}
@@ -396,7 +405,15 @@ class AsyncClient(_Ops):
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        if self.monitor is not None:
+            self._sock.disable_monitor()
+            self.monitor.close(linger=0)
         self._sock.close(linger=0)
+
+    def forget(self, req_id: int) -> None:
+        """Stop routing replies of ``req_id`` (after ``send``: once its last
+        reply came, or it was cancelled), so its queue can go."""
+        self._queues.pop(req_id, None)
 
     async def __aenter__(self) -> AsyncClient:
         return self

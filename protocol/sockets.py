@@ -52,10 +52,15 @@ def router(ctx: zmq.Context[S], bind: str, opts: SocketOptions | None = None) ->
     return sock
 
 
-def dealer(ctx: zmq.Context[S], endpoint: str, opts: SocketOptions | None = None) -> S:
+def dealer(
+    ctx: zmq.Context[S], endpoint: str, opts: SocketOptions | None = None, connect: bool = True
+) -> S:
     """A connected DEALER. Clients default to no frame cap (a reply may carry
-    large tensors from a worker they trust)."""
+    large tensors from a worker they trust). ``connect=False`` leaves the
+    connecting to the caller, for options and monitors that must be in place
+    before the first connection (heartbeats, ``IMMEDIATE``, connect events)."""
     sock = ctx.socket(zmq.DEALER)
     _apply(sock, opts or SocketOptions(max_message_bytes=-1))
-    sock.connect(endpoint)
+    if connect:
+        sock.connect(endpoint)
     return sock
