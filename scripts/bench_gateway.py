@@ -154,6 +154,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pings", type=int, default=2000, help="round trips timed")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the loads")
+    ap.add_argument(
+        "--policy",
+        default="least_loaded",
+        choices=("cache_aware", "least_loaded", "round_robin"),
+        help="the gateway's routing policy",
+    )
     args = ap.parse_args()
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="skiff-gw-bench-") as tmp_s:
@@ -170,7 +176,7 @@ def main() -> None:
             gateway = f"ipc://{tmp}/gw.sock"
             http = f"http://127.0.0.1:{free_port()}"
             cmd = [py, "-m", "gateway.cli", "--bind", gateway, "--http", http[len("http://") :]]
-            cmd += ["--policy", "least_loaded", "--log-level", "warning"]
+            cmd += ["--policy", args.policy, "--log-level", "warning"]
             for ep in workers:
                 cmd += ["--worker", ep]
             procs.append(start(cmd, tmp / "gateway.log"))
