@@ -288,9 +288,7 @@ class RuntimeState:
         """
         for step in steps:
             self.ensure_room(step.session, len(step.tokens))
-        groups: dict[tuple[bool, bool], list[int]] = {}
-        for index, step in enumerate(steps):
-            groups.setdefault(step.group, []).append(index)
+        groups = _groups(steps)
         results: list[StepResult] = [StepResult() for _ in steps]
         for (_, hidden), indices in groups.items():
             part = [steps[i] for i in indices]
@@ -325,11 +323,8 @@ class RuntimeState:
         for step in steps:
             self.ensure_room(step.session, len(step.tokens))
         flight = Flight(list(steps))
-        groups: dict[tuple[bool, bool], list[int]] = {}
-        for index, step in enumerate(steps):
-            groups.setdefault(step.group, []).append(index)
         try:
-            for indices in groups.values():
+            for indices in _groups(steps).values():
                 ticket = launch_chain(self, [steps[i] for i in indices])
                 flight.parts[ticket] = indices
                 self._flights[ticket] = flight
@@ -489,3 +484,11 @@ class RuntimeState:
             "tokens_evaluated": self.tokens_evaluated,
             "uptime_s": round(time.monotonic() - self.started, 3),
         }
+
+
+def _groups(steps: Sequence[Step]) -> dict[tuple[bool, bool], list[int]]:
+    """Step indices by ``Step.group``: the steps that can share a ``llama_decode``."""
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for index, step in enumerate(steps):
+        groups.setdefault(step.group, []).append(index)
+    return groups
