@@ -24,6 +24,7 @@ from typing import Any
 
 from edge import logs
 from protocol import Client, SkiffError
+from protocol.sockets import Curve, CurveKeyError
 
 from . import config
 from .runner import Gateway, connectable
@@ -67,8 +68,15 @@ def serve(argv: Sequence[str]) -> int:
         if address is not None:
             from .http import HttpFront  # the HTTP side is only loaded when asked for
 
+            # With CURVE the front dials the gateway as the gateway itself (its own
+            # key is always allowed in, edge/zap.py).
+            curve = cfg.curve.toward(cfg.curve.public_key) if cfg.curve else None
             front = HttpFront(
-                upstream=gateway.local_endpoint, speech_upstream=None, ready=gateway.ready
+                upstream=gateway.local_endpoint,
+                speech_upstream=None,
+                ready=gateway.ready,
+                curve=curve,
+                routing_id=gateway.service.trust_peer(),
             )
             front.start(*address)
     except Exception as exc:
@@ -79,7 +87,7 @@ def serve(argv: Sequence[str]) -> int:
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
         log.info("signal", signal=signal.Signals(signum).name)
-        gateway.stop()
+        gateway.drain(cfg.drain_timeout_s)
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
@@ -115,14 +123,34 @@ def control(argv: Sequence[str]) -> int:
     for p in (drain, status):
         p.add_argument("--gateway", default=default_gateway, help="the gateway's ZeroMQ endpoint")
         p.add_argument("--timeout-s", type=float, default=600.0, help="longest wait for the answer")
+        p.add_argument(
+            "--curve-key",
+            default=os.environ.get("SKIFF_CURVE_SECRET_KEY", ""),
+            help="CURVE: this client's secret certificate, e.g. the gateway's own "
+            "[env SKIFF_CURVE_SECRET_KEY]",
+        )
+        p.add_argument(
+            "--curve-server-key",
+            default="",
+            help="CURVE: the gateway's public certificate [default: the public half of "
+            "--curve-key, i.e. the gateway's own key]",
+        )
     ns = parser.parse_args(argv)
+    curve: Curve | None = None
+    try:
+        if ns.curve_key:
+            curve = Curve.load(ns.curve_key, ns.curve_server_key or None)
+            curve = curve if ns.curve_server_key else curve.toward(curve.public_key)
+    except CurveKeyError as exc:
+        sys.stderr.write(f"skiff-gateway {ns.command}: {exc}\n")
+        return 2
     op, args = (
         ("gateway_drain", {"worker": ns.worker})
         if ns.command == "drain"
         else ("gateway_status", {})
     )
     try:
-        with Client(ns.gateway, timeout_ms=int(ns.timeout_s * 1000)) as client:
+        with Client(ns.gateway, timeout_ms=int(ns.timeout_s * 1000), curve=curve) as client:
             result = client.call(op, None, args).result
     except SkiffError as exc:
         sys.stderr.write(f"skiff-gateway {ns.command}: {exc.code}: {exc.message}\n")

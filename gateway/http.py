@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from edge.logs import get_logger
+from protocol.sockets import Curve
 
 from .openai_errors import ApiError, bad, not_found
 from .openai_media import Speech, embeddings
@@ -102,13 +103,17 @@ class HttpFront:
         request_timeout_s: float = 120.0,
         health_interval_s: float = 0.5,
         down_after_s: float = 3.0,
+        curve: Curve | None = None,
+        routing_id: bytes | None = None,
     ) -> None:
         self.upstream_endpoint = upstream
+        self._routing_id = routing_id  # the gateway's per-client limits spare this peer
         self.speech_endpoint = speech_upstream
         self.model_name = model_name
         self.ready = ready
         self.request_timeout_s = request_timeout_s
         self._health_timing = {"interval_s": health_interval_s, "down_after_s": down_after_s}
+        self._curve = curve  # CURVE keys toward ``upstream`` (and ``speech_upstream``)
         self.port = 0  # the bound port once started (useful with port 0)
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
@@ -165,11 +170,24 @@ class HttpFront:
 
     async def _startup(self, host: str, port: int) -> None:
         timeout = self.request_timeout_s
-        self._up = Upstream(self.upstream_endpoint, timeout_s=timeout, **self._health_timing)
+        self._up = Upstream(
+            self.upstream_endpoint,
+            timeout_s=timeout,
+            curve=self._curve,
+            routing_id=self._routing_id,
+            interval_s=self._health_timing["interval_s"],
+            down_after_s=self._health_timing["down_after_s"],
+        )
         self._upstreams = [self._up]
         speech_up = self._up
         if self.speech_endpoint is not None:
-            speech_up = Upstream(self.speech_endpoint, timeout_s=timeout, **self._health_timing)
+            speech_up = Upstream(
+                self.speech_endpoint,
+                timeout_s=timeout,
+                curve=self._curve,
+                interval_s=self._health_timing["interval_s"],
+                down_after_s=self._health_timing["down_after_s"],
+            )
             self._upstreams.append(speech_up)
         self._speech = Speech(speech_up)
         for up in self._upstreams:

@@ -35,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 from edge.logs import get_logger
 from faults import ErrorCode
 from protocol import AsyncClient, Reply, SkiffError
+from protocol.sockets import Curve, SocketOptions
 
 from .openai_errors import ApiError, from_skiff, unavailable
 
@@ -62,9 +63,17 @@ class Upstream:
         timeout_s: float,
         interval_s: float = 0.5,
         down_after_s: float = 3.0,
+        curve: Curve | None = None,
+        routing_id: bytes | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self.client = AsyncClient(endpoint, timeout_ms=int(timeout_s * 1000), monitor=True)
+        self.client = AsyncClient(
+            endpoint,
+            timeout_ms=int(timeout_s * 1000),
+            monitor=True,
+            curve=curve,
+            options=SocketOptions(max_message_bytes=-1, routing_id=routing_id),
+        )
         self.interval_s = interval_s
         self.down_after_s = down_after_s
         self.up: bool | None = None  # answers ping; None until the first ping settles it

@@ -10,7 +10,6 @@ blocks: a poll with no work sleeps until a socket is readable.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import zmq
@@ -37,15 +36,15 @@ class Gateway:
         edge_cfg = EdgeConfig(
             bind=cfg.bind,
             max_header_bytes=cfg.max_request_bytes,
-            socket=SocketOptions(max_message_bytes=cfg.max_message_bytes),
+            socket=SocketOptions(max_message_bytes=cfg.max_message_bytes, curve=cfg.curve),
             idle_poll_ms=int(TICK_S * 1000),
+            authorized=cfg.curve_authorized,
         )
         self.edge = EdgeServer(
             edge_cfg, self.service, self.context, metrics=metrics.edge if metrics else None
         )
         self.service.attach(self.edge)
         self.endpoint = self.edge.endpoint
-        self._stop = threading.Event()
 
     @property
     def local_endpoint(self) -> str:
@@ -58,14 +57,19 @@ class Gateway:
 
     def stop(self) -> None:
         """End the loop after the current pass (signal- and thread-safe)."""
-        self._stop.set()
+        self.edge.stop()
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, relay accepted ones to their end (at most
+        ``timeout_s``, then cancel them), then end the loop (signal-safe)."""
+        self.edge.drain(timeout_s)
 
     def serve_forever(self) -> None:
-        poller = _SplitPoller(self.edge.sock, self.service)
+        zap = self.edge.zap.socket if self.edge.zap is not None else None
+        poller = _SplitPoller(self.edge.sock, self.service, zap)
         for sock in self.service.pool.sockets():
             poller.register(sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            self.edge.run_once(poller)
+        self.edge.serve_forever(poller)
 
     def close(self) -> None:
         self.service.pool.close()
@@ -77,23 +81,32 @@ class _SplitPoller(zmq.Poller):
     the front's readiness (so it drains clients only when there are any);
     readable worker sockets are handed to the service, whose ``has_work``
     then runs a turn for them. This saves a failing ``recv`` per socket and
-    pass (``zmq.Again`` costs ~10 us in Python)."""
+    pass (``zmq.Again`` costs ~10 us in Python). The ZAP socket (CURVE on)
+    is the edge's too: its readiness is passed through."""
 
-    def __init__(self, front: zmq.Socket[Any], service: GatewayService) -> None:
+    def __init__(
+        self, front: zmq.Socket[Any], service: GatewayService, zap: zmq.Socket[Any] | None = None
+    ) -> None:
         super().__init__()
         self.front = front
+        self.zap = zap
         self.service = service
         self.register(front, zmq.POLLIN)
+        if zap is not None:
+            self.register(zap, zmq.POLLIN)
 
     def poll(self, timeout: int | None = None) -> list[tuple[Any, int]]:
         events = super().poll(timeout)
-        front = False
+        front = zap = False
         for sock, _ in events:
             if sock is self.front:
                 front = True
+            elif sock is self.zap:
+                zap = True
             else:
                 self.service.ready.add(sock)
-        return [(self.front, POLLIN)] if front else []
+        out = [(self.front, POLLIN)] if front else []
+        return [*out, (self.zap, POLLIN)] if zap else out
 
 
 def connectable(endpoint: str) -> str:

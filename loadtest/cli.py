@@ -16,6 +16,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from protocol.sockets import Curve
+
 from .prompts import load_prompts
 from .report import format_table, write_json, write_plot
 from .runner import LoadConfig, run_load
@@ -61,7 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
     p.add_argument("--plot", dest="plot_path", help="write latency CDF + throughput PNG here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--curve-server-key",
+        help="CURVE: the server's public certificate (NAME.key); with --curve-key",
+    )
+    p.add_argument(
+        "--curve-key",
+        help="CURVE: this client's secret certificate (NAME.key_secret, on the server's list)",
+    )
     return p
+
+
+def curve_from_args(ns: argparse.Namespace) -> Curve | None:
+    """The client's CURVE keys, or None (plain) when neither flag is given."""
+    if not ns.curve_key and not ns.curve_server_key:
+        return None
+    if not (ns.curve_key and ns.curve_server_key):
+        raise ValueError("--curve-key and --curve-server-key go together")
+    return Curve.load(ns.curve_key, ns.curve_server_key)
 
 
 def config_from_args(ns: argparse.Namespace) -> LoadConfig:
@@ -88,6 +107,7 @@ def config_from_args(ns: argparse.Namespace) -> LoadConfig:
         seed=ns.seed,
         progress=not ns.no_progress,
         stagger_s=ns.stagger_s,
+        curve=curve_from_args(ns),
     )
 
 

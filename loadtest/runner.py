@@ -24,6 +24,7 @@ import aiohttp
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from protocol import AsyncClient, SkiffError
+from protocol.sockets import Curve
 
 from .http import completion_body, one_http_request
 from .prompts import Prompt, builtin_prompts
@@ -49,6 +50,7 @@ class LoadConfig:
     progress: bool = False
     stagger_s: float = 0.0  # closed loop: user u starts u * stagger_s after the first
     extra_args: dict[str, Any] = field(default_factory=dict)
+    curve: Curve | None = field(default=None, repr=False)  # CURVE keys toward ZeroMQ endpoints
 
     def validate(self) -> None:
         if not self.endpoints:
@@ -161,7 +163,8 @@ async def run_load_async(cfg: LoadConfig) -> dict[str, Any]:
     slack_ms = int(_CLIENT_SLACK_S * 1e3)
     timeout_ms = cfg.timeout_ms + slack_ms if cfg.timeout_ms else 120_000
     clients = [
-        None if is_http(ep) else AsyncClient(ep, timeout_ms=timeout_ms) for ep in cfg.endpoints
+        None if is_http(ep) else AsyncClient(ep, timeout_ms=timeout_ms, curve=cfg.curve)
+        for ep in cfg.endpoints
     ]
     http = (
         aiohttp.ClientSession(

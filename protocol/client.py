@@ -13,7 +13,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -64,6 +64,15 @@ class Reply:
                 err.get("retry_after_ms"),
             )
         return self
+
+
+def _options(
+    options: sockets.SocketOptions | None, curve: sockets.Curve | None
+) -> sockets.SocketOptions | None:
+    """``options`` with ``curve`` set (a client's defaults when there are none)."""
+    if curve is None:
+        return options
+    return replace(options or sockets.SocketOptions(max_message_bytes=-1), curve=curve)
 
 
 def _frames(header: dict[str, Any], buffers: Sequence[Any]) -> list[Any]:
@@ -237,7 +246,11 @@ def _keep_reply(reply: Reply) -> Reply:
 
 
 class Client(_Ops):
-    """Blocking client. Not thread-safe: use one per thread."""
+    """Blocking client. Not thread-safe: use one per thread.
+
+    ``curve`` (own key pair and the server's public key) makes the
+    connection CURVE-encrypted; a server that does not know the key, or a
+    CURVE server dialled without one, never answers (calls time out)."""
 
     def __init__(
         self,
@@ -245,9 +258,10 @@ class Client(_Ops):
         timeout_ms: int = 120_000,
         context: zmq.Context[Any] | None = None,
         options: sockets.SocketOptions | None = None,
+        curve: sockets.Curve | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, options)
+        self._sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, _options(options, curve))
         self.timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._stash: dict[int, deque[Reply]] = {}
@@ -269,10 +283,20 @@ class Client(_Ops):
         buffers: Sequence[Any] = (),
         deadline_ms: int | None = None,
     ) -> int:
-        """Send a request without waiting; returns its id."""
+        """Send a request without waiting for its reply; returns its id.
+
+        Waits at most ``timeout_ms`` for room to send: a DEALER has nowhere
+        to queue once its connection is gone for good, as when a CURVE
+        server refused the handshake (libzmq does not retry that), and a
+        plain send would then block forever."""
         req_id = next(self._ids)
-        header = envelope.request(req_id, op, session, args, deadline_ms)
-        self._sock.send_multipart(_frames(header, buffers), copy=False)
+        frames = _frames(envelope.request(req_id, op, session, args, deadline_ms), buffers)
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not self._sock.poll(self.timeout_ms, zmq.POLLOUT):
+                raise SkiffError("timeout", f"could not send within {self.timeout_ms} ms") from None
+            self._sock.send_multipart(frames, copy=False)
         return req_id
 
     def wait_ready(self, timeout_s: float = 60.0, alive: Callable[[], bool] | None = None) -> None:
@@ -377,7 +401,7 @@ class Client(_Ops):
 
 
 class AsyncClient(_Ops):
-    """asyncio client; many coroutines may share one instance."""
+    """asyncio client; many coroutines may share one instance. ``curve`` as for ``Client``."""
 
     def __init__(
         self,
@@ -386,9 +410,10 @@ class AsyncClient(_Ops):
         context: zmq.asyncio.Context | None = None,
         options: sockets.SocketOptions | None = None,
         monitor: bool = False,
+        curve: sockets.Curve | None = None,
     ) -> None:
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = sockets.dealer(self._ctx, endpoint, options, connect=False)
+        self._sock = sockets.dealer(self._ctx, endpoint, _options(options, curve), connect=False)
         # With ``monitor``, connect / disconnect events arrive on ``self.monitor``
         # (set up before connecting, so the first connection is not missed).
         self.monitor: zmq.asyncio.Socket | None = None

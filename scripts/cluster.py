@@ -13,6 +13,12 @@ or down and whether it answers. ``down`` sends SIGTERM to each process group
 (the gateway first, so it stops routing before its workers go), SIGKILL after
 ``--grace`` seconds, and removes the state. Logs stay in ``RUN_DIR/logs``.
 
+``up --curve DIR`` turns CURVE on everywhere (docs/security.md): it makes the
+key pairs it lacks in DIR (``servers`` for every worker, ``gateway``,
+``client``), lists ``client`` and ``gateway`` in ``DIR/authorized``, and
+gives each process its flags; ``status`` and the health checks dial as
+``client``.
+
 A pid in the state counts as ours only while ``/proc/PID/stat`` shows the
 start time recorded at launch, so a reused pid is never signalled.
 """
@@ -37,6 +43,8 @@ from typing import Any
 
 from edge import logs
 from protocol import Client, SkiffError
+from protocol.keys import create as create_keys
+from protocol.sockets import Curve
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RUN_DIR = ROOT / ".cluster"
@@ -63,6 +71,37 @@ class Proc:
     http: str | None = None  # the gateway's HTTP base URL
     pid: int = 0
     start_time: int = 0  # /proc/PID/stat field 22, in clock ticks since boot
+    server_key: str = ""  # CURVE: the public certificate a client dials this process with
+
+
+def curve_dir(keys: Path) -> dict[str, list[str]]:
+    """Make the key pairs ``keys`` lacks and its ``authorized`` directory;
+    the CURVE flags of each role."""
+    for name in ("servers", "gateway", "client"):
+        if not (keys / f"{name}.key_secret").exists():
+            create_keys(keys, name)
+    allowed = keys / "authorized"
+    allowed.mkdir(exist_ok=True)
+    for name in ("client", "gateway"):  # the gateway dials the workers
+        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    server = ["--curve-authorized", str(allowed)]
+    return {
+        "worker": ["--curve-secret-key", str(keys / "servers.key_secret"), *server],
+        "gateway": [
+            "--curve-secret-key",
+            str(keys / "gateway.key_secret"),
+            "--curve-server-key",
+            str(keys / "servers.key"),
+            *server,
+        ],
+    }
+
+
+def client_curve(proc: Proc) -> Curve | None:
+    """How a client dials ``proc``: as ``client`` when CURVE is on, else plain."""
+    if not proc.server_key:
+        return None
+    return Curve.load(Path(proc.server_key).parent / "client.key_secret", proc.server_key)
 
 
 def free_ports(n: int) -> list[int]:
@@ -112,25 +151,32 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Proc]:
 
     py = sys.executable
     procs: list[Proc] = []
+    keys: Path | None = args.curve.resolve() if args.curve else None
+    flags = curve_dir(keys) if keys else {"worker": [], "gateway": []}
     for name in names:
         ep, metrics, log_path = endpoint(name), next(ports), str(run_dir / "logs" / f"{name}.log")
         if name == "speech":
             argv = [py, "-m", "worker.speech.cli", "--bind", ep, "--threads", "1"]
-            argv += ["--log-format", "json"]
+            argv += ["--log-format", "json", *flags["worker"]]
             procs.append(Proc(name, "speech", argv, ep, metrics, log_path))
         elif name == "gateway":
             http = f"127.0.0.1:{next(ports)}"
             argv = [py, "-m", "gateway.cli", "--bind", ep, "--http", http]
             for p in procs:
                 argv += ["--speech" if p.role == "speech" else "--worker", p.endpoint]
-            argv += ["--metrics-port", str(metrics), "--log-format", "json", *args.gateway_arg]
+            argv += ["--metrics-port", str(metrics), "--log-format", "json", *flags["gateway"]]
+            argv += args.gateway_arg
             procs.append(Proc(name, "gateway", argv, ep, metrics, log_path, http=f"http://{http}"))
         else:
             threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
             argv = [py, "-m", "worker.cli", "--bind", ep, "--model", args.model]
             argv += ["--lanes", str(args.lanes), "--ctx", str(args.ctx)]
-            argv += ["--threads", str(threads), "--log-format", "json", *args.worker_arg]
+            argv += ["--threads", str(threads), "--log-format", "json", *flags["worker"]]
+            argv += args.worker_arg
             procs.append(Proc(name, "worker", argv, ep, metrics, log_path))
+    if keys is not None:
+        for p in procs:
+            p.server_key = str(keys / ("gateway.key" if p.role == "gateway" else "servers.key"))
     return procs
 
 
@@ -161,8 +207,8 @@ def launch(proc: Proc) -> subprocess.Popen[bytes]:
     return popen
 
 
-def pings(endpoint: str, timeout_ms: int = 1000) -> bool:
-    with Client(endpoint, timeout_ms=timeout_ms) as client:
+def pings(proc: Proc, timeout_ms: int = 1000) -> bool:
+    with Client(proc.endpoint, timeout_ms=timeout_ms, curve=client_curve(proc)) as client:
         try:
             client.ping()
             return True
@@ -195,7 +241,7 @@ def wait_healthy(proc: Proc, popen: subprocess.Popen[bytes], deadline: float) ->
     def running() -> bool:
         return popen.poll() is None
 
-    with Client(proc.endpoint) as client:
+    with Client(proc.endpoint, curve=client_curve(proc)) as client:
         try:
             client.wait_ready(max(0.0, deadline - time.monotonic()), alive=running)
         except SkiffError:
@@ -268,8 +314,10 @@ def clear_state(run_dir: Path, procs: Sequence[Proc]) -> None:
 def describe(run_dir: Path, procs: Sequence[Proc]) -> dict[str, Any]:
     """The endpoints a client needs, then every process in detail."""
     gateway = next((p for p in procs if p.role == "gateway"), None)
+    keys = next((Path(p.server_key).parent for p in procs if p.server_key), None)
     return {
         "run_dir": str(run_dir),
+        **({"curve_client_key": str(keys / "client.key_secret")} if keys else {}),
         "gateway": gateway.endpoint if gateway else None,
         "http": gateway.http if gateway else None,
         "workers": [p.endpoint for p in procs if p.role == "worker"],
@@ -282,6 +330,7 @@ def describe(run_dir: Path, procs: Sequence[Proc]) -> dict[str, Any]:
                 "metrics_port": p.metrics_port,
                 "log": p.log,
                 **({"http": p.http} if p.http else {}),
+                **({"curve_server_key": p.server_key} if p.server_key else {}),
             }
             for p in procs
         },
@@ -320,7 +369,7 @@ def cmd_status(run_dir: Path) -> tuple[dict[str, Any], bool]:
     for p in procs:
         entry = out["processes"][p.name]
         entry["up"] = alive(p)
-        entry["answering"] = entry["up"] and pings(p.endpoint)
+        entry["answering"] = entry["up"] and pings(p)
         if p.http:
             entry["health"] = http_health(p.http) if entry["up"] else None
         healthy = healthy and entry["answering"]
@@ -367,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"extra skiff-{role} argument, repeatable (--{role}-arg=--flag=value)",
         )
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to reach health")
+    up.add_argument(
+        "--curve",
+        type=Path,
+        metavar="DIR",
+        help="CURVE on every socket: key pairs made (or reused) in DIR; clients dial with "
+        "DIR/client.key_secret and the process's curve_server_key",
+    )
     sub.add_parser("status", help="each process up/down and answering (JSON); exit 1 unless all")
     down = sub.add_parser("down", help="SIGTERM, SIGKILL after --grace, remove the state")
     down.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")

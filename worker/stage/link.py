@@ -49,8 +49,12 @@ class StageLink:
         context: zmq.Context[Any] | None = None,
         frame_dtype: str = "f32",
         head: bool = False,
+        curve: sockets.Curve | None = None,
     ) -> None:
         self.endpoint = endpoint
+        # CURVE: this stage's pair; ``server_key`` is the next stage's. The
+        # direct socket to the last stage uses the key that stage reports.
+        self.curve = curve
         # The head stage of a chain of 3+ stages gets its sampled tokens from
         # the last stage directly (``_direct``), not relayed by the stages in
         # between; set up on the first forward, once the chain is known.
@@ -67,6 +71,8 @@ class StageLink:
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, sockets.DEFAULT_MAX_MESSAGE_BYTES)
+        if curve is not None:
+            sockets.curve_client(self._sock, curve)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -307,6 +313,14 @@ class StageLink:
         sock.setsockopt(zmq.ROUTING_ID, b"skiff-head-" + os.urandom(8).hex().encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, sockets.DEFAULT_MAX_MESSAGE_BYTES)
+        if self.curve is not None:
+            last = chain[-1] if isinstance(chain[-1], dict) else {}
+            key = last.get("curve_key")
+            if not isinstance(key, str):
+                sock.close(linger=0)
+                self._direct_known = False
+                raise StageUnavailable("the chain's last stage reports no CURVE key")
+            sockets.curve_client(sock, self.curve.toward(key.encode()))
         sock.connect(endpoint)
         sock.send(codec.encode(request(0, "ping", None, None)))
         if not sock.poll(_SESSION_OP_MS):

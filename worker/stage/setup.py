@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import WorkerConfig
+from protocol.sockets import Curve
+
+from ..config import WorkerConfig, curve_keys
 from ..models import resolve_model
 from .link import StageLink
 from .slicer import SliceError, cached_slice, model_info, parse_range
@@ -33,6 +35,7 @@ class StagePlan:
     tap_layer: int | None  # slice-numbered layer handed to the next stage
     next: str
     frame_dtype: str = "f32"
+    curve: Curve | None = None  # CURVE on: own pair, server_key = the next stage's key
 
     @property
     def first(self) -> bool:
@@ -46,6 +49,8 @@ class StagePlan:
             "first": self.first,
             "last": not self.next,
             "frame_dtype": self.frame_dtype,
+            # the head dials the last stage directly (3+ stages) with this key
+            **({"curve_key": self.curve.public_key.decode()} if self.curve else {}),
         }
 
 
@@ -70,10 +75,10 @@ def plan_stage(cfg: WorkerConfig) -> StagePlan | None:
     except SliceError as exc:
         raise SystemExit(f"skiff-worker: {exc}") from None
     tap = hi - lo - 1 if cfg.next else None
-    return StagePlan((lo, hi), n_layer, path, tap, cfg.next, cfg.frame_dtype)
+    return StagePlan((lo, hi), n_layer, path, tap, cfg.next, cfg.frame_dtype, curve_keys(cfg))
 
 
 def link_for(plan: StagePlan) -> StageLink | None:
     if not plan.next:
         return None
-    return StageLink(plan.next, frame_dtype=plan.frame_dtype, head=plan.first)
+    return StageLink(plan.next, frame_dtype=plan.frame_dtype, head=plan.first, curve=plan.curve)
