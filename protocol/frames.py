@@ -35,11 +35,12 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from faults import BadRequest
+from faults import BadRequest, LimitExceeded
 
 VERSION: Final = 1
-MAX_PARTS: Final = 64
+MAX_PARTS: Final = 64  # default limits of a received frame (``FrameLimits``)
 MAX_RANK: Final = 8
+RANK_CEILING: Final = 32  # numpy's smallest NPY_MAXDIMS: no limit may go past it
 MAX_IDENTITY_CHARS: Final = 64
 # Every wire integer stays below this, so offset + index * stride (what numpy
 # computes in int64) cannot overflow even for a hostile header.
@@ -73,6 +74,37 @@ class FrameError(BadRequest):
     def __init__(self, field: str, why: str) -> None:
         super().__init__(f"frame.{field}: {why}")
         self.field = field
+
+
+class FrameLimitError(LimitExceeded):
+    """A well-formed frame holds more than the receiver's ``FrameLimits`` allow.
+
+    ``limit_exceeded`` rather than ``bad_request``: the frame is valid, this
+    receiver is configured not to take one that large. ``field`` names the
+    field as ``FrameError`` does; ``limit`` names the ``FrameLimits`` field
+    (``parts`` or ``rank``) so a server can name the setting behind it.
+    """
+
+    def __init__(self, field: str, why: str, limit: str) -> None:
+        super().__init__(f"frame.{field}: {why}")
+        self.field = field
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """How much one received frame may hold, besides its bytes.
+
+    Bytes are bounded by the message size (ZeroMQ's MAXMSGSIZE); these bound
+    the header's lists, so what ``parse`` walks and builds per frame stays
+    small whatever a peer sends. ``rank`` is at most ``RANK_CEILING``.
+    """
+
+    parts: int = MAX_PARTS
+    rank: int = MAX_RANK
+
+
+DEFAULT_LIMITS: Final = FrameLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +224,16 @@ def attach(frame: Frame, buffers: list[Any]) -> dict[str, Any]:
     return _frame_map(frame, parts)
 
 
-def parse(header: object, buffers: Sequence[memoryview | bytes | bytearray]) -> Frame:
+def parse(
+    header: object,
+    buffers: Sequence[memoryview | bytes | bytearray],
+    limits: FrameLimits = DEFAULT_LIMITS,
+) -> Frame:
     """Validate a received frame header against its buffers and return the Frame.
 
     Checks every field before any numpy array exists; raises FrameError
-    naming the first bad field.
+    naming the first bad field, or FrameLimitError when the frame has more
+    parts, or a part more dims, than ``limits`` allow.
     """
     if not isinstance(header, dict):
         raise FrameError("header", f"must be a map, got {type(header).__name__}")
@@ -216,11 +253,14 @@ def parse(header: object, buffers: Sequence[memoryview | bytes | bytearray]) -> 
         positions = tuple(_int(v, "positions", what=f"positions[{j}]") for j, v in enumerate(raw))
     views = tuple(_byte_view(b, i) for i, b in enumerate(buffers))
     raw_parts = header["parts"]
-    if not isinstance(raw_parts, list) or not 1 <= len(raw_parts) <= MAX_PARTS:
-        raise FrameError("parts", f"must be a list of 1..{MAX_PARTS} part maps")
+    if not isinstance(raw_parts, list) or not raw_parts:
+        raise FrameError("parts", "must be a non-empty list of part maps")
+    if len(raw_parts) > limits.parts:
+        why = f"has {len(raw_parts)} parts; the limit is {limits.parts}"
+        raise FrameLimitError("parts", why, "parts")
     parts: list[Part] = []
     for i, raw_part in enumerate(raw_parts):
-        part = _parse_part(raw_part, f"parts[{i}]", token_count, views)
+        part = _parse_part(raw_part, f"parts[{i}]", token_count, views, limits.rank)
         if any(p.identity == part.identity for p in parts):
             raise FrameError(f"parts[{i}].identity", f"{part.identity!r} appears twice")
         parts.append(part)
@@ -303,7 +343,9 @@ def _check_combinable(first: Frame, a: Part, other: Frame, b: Part, where: str) 
         raise FrameError(where, "has no token axis, so it must be identical in every frame")
 
 
-def _parse_part(raw: object, where: str, token_count: int, views: Sequence[memoryview]) -> Part:
+def _parse_part(
+    raw: object, where: str, token_count: int, views: Sequence[memoryview], rank: int
+) -> Part:
     if not isinstance(raw, dict):
         raise FrameError(where, f"must be a map, got {type(raw).__name__}")
     _exact_keys(raw, _PART_KEYS, (), f"{where}.")
@@ -314,7 +356,11 @@ def _parse_part(raw: object, where: str, token_count: int, views: Sequence[memor
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise FrameError(f"{where}.dtype", f"{_show(dtype)} is not one of {sorted(DTYPES)}")
     itemsize = DTYPES[dtype].itemsize
-    dims = _int_list(raw["dims"], f"{where}.dims", None)
+    raw_dims = raw["dims"]
+    if isinstance(raw_dims, list) and len(raw_dims) > min(rank, RANK_CEILING):
+        why = f"has {len(raw_dims)} dims; the limit is {min(rank, RANK_CEILING)}"
+        raise FrameLimitError(f"{where}.dims", why, "rank")
+    dims = _int_list(raw_dims, f"{where}.dims", None, RANK_CEILING)
     strides = _int_list(raw["byte_strides"], f"{where}.byte_strides", len(dims))
     token_axis = _int(raw["token_axis"], f"{where}.token_axis", low=-1, high=len(dims))
     if token_axis >= 0 and dims[token_axis] != token_count:
@@ -428,10 +474,10 @@ def _int(value: object, at: str, *, low: int = 0, high: int = INT_LIMIT, what: s
     return int(value)
 
 
-def _int_list(value: object, at: str, length: int | None) -> tuple[int, ...]:
-    lengths = range(1, MAX_RANK + 1) if length is None else (length,)
+def _int_list(value: object, at: str, length: int | None, most: int = MAX_RANK) -> tuple[int, ...]:
+    lengths = range(1, most + 1) if length is None else (length,)
     if not isinstance(value, list) or len(value) not in lengths:
-        raise FrameError(at, f"must be a list of {length or f'1..{MAX_RANK}'} ints")
+        raise FrameError(at, f"must be a list of {length or f'1..{most}'} ints")
     return tuple(_int(v, at, what=f"[{j}]") for j, v in enumerate(value))
 
 

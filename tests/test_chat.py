@@ -16,6 +16,7 @@ from protocol import Client, SkiffError
 from worker import handlers
 from worker.chat import FALLBACK_TEMPLATE, ChatTemplate
 from worker.generate import ChatJob
+from worker.limits import Limits
 from worker.validate import get_messages
 
 SPECIAL = {"<eos>": 1, "<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106}
@@ -150,6 +151,7 @@ def test_chat_job_gets_the_end_of_turn_stop() -> None:
         draft=None,
         chat=ChatTemplate.load("", vocab),
         rt=SimpleNamespace(ctx_per_lane=2048),
+        limits=Limits().resolved(2048),
         chunk=256,
         ticket=lambda req: SimpleNamespace(id=req.id),
         submit=jobs.append,

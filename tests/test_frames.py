@@ -24,6 +24,7 @@ from protocol.frames import (
     WIRE_NAMES,
     Frame,
     FrameError,
+    FrameLimitError,
     PartSpec,
     attach,
     combine_frames,
@@ -106,11 +107,16 @@ def frames(draw: st.DrawFn, max_tokens: int = 6) -> Frame:
 
 
 def expect_refusal(header: object, buffers: list[memoryview], field: str) -> None:
-    with pytest.raises(FrameError) as info:
+    """Refused naming ``field``: ``bad_request``, or ``limit_exceeded`` for a frame
+    over the default ``FrameLimits`` (too many parts, or dims)."""
+    with pytest.raises((FrameError, FrameLimitError)) as info:
         parse(header, buffers)
     err = info.value
     assert err.field == field, str(err)
-    assert isinstance(err, BadRequest) and err.code == "bad_request"
+    if isinstance(err, FrameLimitError):
+        assert err.code == "limit_exceeded" and err.limit in ("parts", "rank")
+    else:
+        assert isinstance(err, BadRequest) and err.code == "bad_request"
     assert str(err).startswith(f"frame.{field}: ")
 
 

@@ -20,6 +20,8 @@ PACKAGES = ("faults", "protocol", "edge", "worker", "loadtest", "gateway")
 # wire (protocol, zmq, msgpack) or the edge.
 CORE = (
     "worker.scheduler",
+    "worker.peers",
+    "worker.limits",
     "worker.jobs",
     "worker.generate",
     "worker.ticket",

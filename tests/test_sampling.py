@@ -19,7 +19,7 @@ from worker.engine import Engine, EngineConfig
 from worker.engine.sampling import LlamaGrammars, Sampler, SamplerError, check_grammar, eog_tokens
 from worker.runtime import RuntimeState, Step
 from worker.spec import SamplerSpec
-from worker.validate import get_sampling
+from worker.validate_sampling import get_sampling
 
 PROMPT = "The capital of France is"
 REPEAT = "one one one one one one one one one one"
@@ -337,7 +337,6 @@ def test_defaults_are_llama_cpp_common_defaults() -> None:
         ("logit_bias", [{"token": -1, "bias": 1}]),
         ("logit_bias", [{"token": 1, "bias": "x"}]),
         ("logit_bias", [{"token": 1}]),
-        ("logit_bias", [{"token": i, "bias": 1} for i in range(257)]),
         ("seed", -1),
         ("seed", 1 << 32),
         ("ignore_eos", 1),

@@ -24,6 +24,7 @@ from faults import BadRequest
 
 from .engine import ROW_INVARIANT_ROWS
 from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds, on_grid, tensors_of_rows
+from .limits import check
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.rows import RowRule
 from .spec import SamplerSpec
@@ -33,6 +34,7 @@ from .ticket import Ticket
 
 class GenerateJob(Job):
     waits_for_lane = True
+    generation = True
 
     def __init__(
         self,
@@ -50,8 +52,12 @@ class GenerateJob(Job):
         drafter: Drafter | None = None,
         top_logprobs: int | None = None,
         outputs: tuple[str, ...] = (),
+        prompt_limit: int = 0,
     ) -> None:
         super().__init__(ticket, [session])
+        # most tokens a text prompt may become (--max-request-tokens); 0 = no
+        # limit but the lane's. Token prompts are held to it by the handler.
+        self.prompt_limit = prompt_limit
         self.phase = PHASE_PREFILL  # PHASE_DECODE once the first token is out
         self.ephemeral = ephemeral
         self.prompt = prompt
@@ -96,6 +102,9 @@ class GenerateJob(Job):
         if isinstance(self.prompt, str):
             fresh = known is None or (known.position == 0 and not known.pending)
             prompt = rt.engine.tokenize(self.prompt, add_special=fresh, parse_special=False)
+            if self.prompt_limit:
+                what = "prompt has {n} tokens"
+                check(len(prompt), self.prompt_limit, "max_request_tokens", what)
         else:
             prompt = list(self.prompt)
         pending = known.pending if known is not None else []

@@ -35,6 +35,7 @@ from .jobs import (
     SessionOpJob,
     VerifyJob,
 )
+from .limits import Limits, check
 from .runtime import Ephemeral, RuntimeState, SessionId
 from .scheduler import Scheduler
 from .spec import GrammarChecker, SamplerSpec
@@ -42,6 +43,7 @@ from .speculative import Drafter, DraftModel, PromptLookup
 from .ticket import Ticket
 from .validate import (
     check_logit_rows,
+    check_request_tokens,
     check_session,
     check_token,
     get_bool,
@@ -50,11 +52,12 @@ from .validate import (
     get_messages,
     get_outputs,
     get_prompt_tokens,
-    get_sampling,
     get_session,
+    get_stops,
     get_str,
     get_tokens,
 )
+from .validate_sampling import get_sampling
 
 
 class App(Protocol):
@@ -69,6 +72,7 @@ class App(Protocol):
     chat: ChatTemplate
     draft: DraftModel | None
     chunk: int
+    limits: Limits  # resolved: per-lane limits are numbers of cells
 
     def ticket(self, req: Request) -> Ticket: ...
 
@@ -109,7 +113,14 @@ def h_detokenize(app: App, req: Request) -> dict[str, Any] | None:
 
 
 def _sampling(app: App, args: dict[str, Any]) -> SamplerSpec | None:
-    return get_sampling(args, grammars=app.grammars)
+    return get_sampling(args, grammars=app.grammars, limits=app.limits)
+
+
+def _tokens(app: App, args: dict[str, Any], name: str = "tokens") -> list[int]:
+    """Tokens bound for a session: ``--max-request-tokens``, then the lane's cells."""
+    return get_prompt_tokens(
+        args, name, app.n_vocab, app.rt.ctx_per_lane, app.limits.max_request_tokens
+    )
 
 
 def _prefill(app: App, req: Request, sampled: bool) -> None:
@@ -124,7 +135,7 @@ def _prefill(app: App, req: Request, sampled: bool) -> None:
         embd, start = _embd_input(app, req)
         tokens = [-1] * len(embd)  # no token ids: the session's history marks the gap
     else:
-        tokens = get_prompt_tokens(args, "tokens", app.n_vocab, app.rt.ctx_per_lane)
+        tokens = _tokens(app, args)
     check_logit_rows(outputs, len(tokens))
     spec = _sampling(app, args) if sampled else None
     app.submit(
@@ -134,7 +145,7 @@ def _prefill(app: App, req: Request, sampled: bool) -> None:
 
 def _embd_input(app: App, req: Request) -> tuple[np.ndarray, int | None]:
     """``input``: a frame with one ``embd`` part ``[tokens, n_embd]`` f32."""
-    frame = get_frame(req.args, "input", req.buffers)
+    frame = get_frame(req.args, "input", req.buffers, app.limits)
     if frame.identities != ("embd",):
         raise BadRequest("input must carry exactly one part, identity 'embd'")
     part = frame.part("embd")
@@ -142,6 +153,7 @@ def _embd_input(app: App, req: Request) -> tuple[np.ndarray, int | None]:
     if part.dtype != "f32" or len(part.dims) != 2 or part.dims[1] != n_embd or part.token_axis != 0:
         raise BadRequest(f"input.embd must be f32 [tokens, {n_embd}] with token_axis 0")
     rows = part.dims[0]
+    check_request_tokens(rows, "input.embd", app.rt.ctx_per_lane, app.limits.max_request_tokens)
     if not 0 < rows <= app.rt.ctx_per_lane:
         raise BadRequest(f"input.embd must have 1..{app.rt.ctx_per_lane} rows")
     array = frame.array("embd")
@@ -196,7 +208,7 @@ def session_entries(app: App, args: dict[str, Any], key: str = "requests") -> li
 def h_verify(app: App, req: Request) -> dict[str, Any] | None:
     args = req.args
     session = get_session(req.session)
-    tokens = get_prompt_tokens(args, "tokens", app.n_vocab, app.rt.ctx_per_lane)
+    tokens = _tokens(app, args)
     trim = get_bool(args, "trim", True)
     app.submit(VerifyJob(app.ticket(req), session, tokens, _sampling(app, args), trim))
     return None
@@ -314,18 +326,18 @@ def _generate_job(
     """The generation job ``generate`` and ``chat`` share, from the common args."""
     args = req.args
     session, named = _generate_session(req)
-    limit = app.rt.ctx_per_lane
+    limits = app.limits
     outputs = get_outputs(args)
     drafter = _speculative(app, args)
     if outputs and drafter is not None:
         raise Unsupported("output with speculative decoding is not supported; ask one or the other")
-    stop = args.get("stop", [])
-    if (
-        not isinstance(stop, list)
-        or len(stop) > 16
-        or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in stop)
-    ):
-        raise BadRequest("stop must be a list of at most 16 non-empty strings")
+    stop = get_stops(args, limits)
+    max_tokens = get_int(args, "max_tokens", default=256, lo=1)
+    check(max_tokens, limits.max_new_tokens, "max_new_tokens", f"max_tokens is {max_tokens}")
+    # A text prompt is tokenized when the job starts and held to the limit then;
+    # 0: only the lane's cells bound it (context_overflow).
+    most = limits.max_request_tokens
+    prompt_limit = most if most < app.rt.ctx_per_lane else 0
     stop_tokens = (
         get_tokens(args, "stop_tokens", app.n_vocab, max_len=256, allow_empty=True)
         if "stop_tokens" in args
@@ -336,7 +348,7 @@ def _generate_job(
         session,
         ephemeral=not named,
         prompt=prompt,
-        max_tokens=get_int(args, "max_tokens", default=256, lo=1, hi=limit),
+        max_tokens=max_tokens,
         spec=_sampling(app, args),
         stop=[*stop, *(s for s in stop_extra if s not in stop)],
         stop_tokens={*stop_tokens, *stop_tokens_extra},
@@ -346,11 +358,13 @@ def _generate_job(
         drafter=drafter,
         top_logprobs=_logprobs(args),
         outputs=outputs,
+        prompt_limit=prompt_limit,
     )
 
 
 def _prompt_chars(app: App, args: dict[str, Any]) -> str:
-    """A text prompt; one so long no tokenization could fit a session overflows."""
+    """A text prompt; one so long no tokenization could fit a session overflows
+    (its tokens are held to ``--max-request-tokens`` when the job starts)."""
     limit = app.rt.ctx_per_lane * 64
     value = args.get("prompt")
     if isinstance(value, str) and len(value) > limit:
@@ -366,11 +380,7 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
     has_prompt, has_tokens = "prompt" in args, "tokens" in args
     if has_prompt == has_tokens:
         raise BadRequest("give exactly one of prompt or tokens")
-    prompt: str | list[int] = (
-        _prompt_chars(app, args)
-        if has_prompt
-        else get_prompt_tokens(args, "tokens", app.n_vocab, app.rt.ctx_per_lane)
-    )
+    prompt: str | list[int] = _prompt_chars(app, args) if has_prompt else _tokens(app, args)
     app.submit(_generate_job(app, req, prompt))
     return None
 
@@ -379,11 +389,14 @@ def h_chat(app: App, req: Request) -> dict[str, Any] | None:
     args = req.args
     if "prompt" in args or "tokens" in args:
         raise BadRequest("chat takes messages, not prompt or tokens")
-    messages = get_messages(args, max_chars=app.rt.ctx_per_lane * 64)
+    cells, most = app.rt.ctx_per_lane, app.limits.max_request_tokens
+    messages = get_messages(args, max_chars=cells * 64, most=app.limits.max_messages)
     template = app.chat
     tokens = template.prompt_tokens(app.engine, messages)
     if not tokens:
         raise BadRequest("messages render to an empty prompt")
+    if most < cells:  # more than the cells is context_overflow when the job starts
+        check(len(tokens), most, "max_request_tokens", "messages render to {n} tokens")
     end = [template.end_of_turn] if template.end_of_turn else []
     make = functools.partial(ChatJob, closer=template.closer_tokens, bos=template.bos)
     app.submit(_generate_job(app, req, tokens, make, template.stop_tokens, end))

@@ -42,6 +42,7 @@ class Job:
     squeeze = False  # set by the scheduler: this turn's prefill may cut a piece
     waits_for_lane = False  # queue (rather than lanes_busy) when no lane
     ephemeral = False  # sessions are created for this job and dropped after
+    generation = False  # a generate/chat: counts against --max-streams-per-peer
 
     def __init__(self, ticket: Ticket, sessions: Sequence[SessionId]) -> None:
         self.ticket = ticket

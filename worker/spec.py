@@ -27,7 +27,6 @@ SAMPLER_NAMES = (
 )
 DEFAULT_SAMPLERS = SAMPLER_NAMES  # llama.cpp's common sampler order
 DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
-MAX_LOGIT_BIAS = 256
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,16 @@ from .tensor_jobs import (
 )
 from .ticket import Tensors
 from .validate import (
+    check_request_tokens,
     get_bool,
     get_frame,
     get_int,
     get_outputs,
     get_prompt_tokens,
-    get_sampling,
     get_session,
     get_str,
 )
+from .validate_sampling import get_sampling
 
 
 def h_embed(app: App, req: Request) -> dict[str, Any] | None:
@@ -45,14 +46,15 @@ def h_embed(app: App, req: Request) -> dict[str, Any] | None:
     has_text, has_tokens = "text" in args, "tokens" in args
     if has_text == has_tokens:
         raise BadRequest("give exactly one of text or tokens")
-    limit = app.rt.ctx_per_lane
+    limit, most = app.rt.ctx_per_lane, app.limits.max_request_tokens
     if has_text:
         text = get_str(args, "text", max_len=limit * 64)
         tokens = app.engine.tokenize(text, add_special=True)
-        if not tokens or len(tokens) > limit:
+        if not tokens:
             raise ContextOverflow(f"text is {len(tokens)} tokens; 1..{limit} fit a session")
+        check_request_tokens(len(tokens), "text", limit, most)
     else:
-        tokens = get_prompt_tokens(args, "tokens", app.n_vocab, limit)
+        tokens = get_prompt_tokens(args, "tokens", app.n_vocab, limit, most)
     pooling = args.get("pooling", "mean")
     if pooling not in POOLINGS:
         raise BadRequest(f"pooling must be one of {list(POOLINGS)}")
@@ -77,7 +79,7 @@ def h_import_state(app: App, req: Request) -> dict[str, Any] | None:
     meta = args.get("session_state")
     if not isinstance(meta, dict):
         raise BadRequest("session_state must be a map (export_state's result)")
-    frame = get_frame(args, "frame", req.buffers)
+    frame = get_frame(args, "frame", req.buffers, app.limits)
     names = ("kv_state", *(f"kv_state.{i + 1}" for i in range(len(frame.identities) - 1)))
     if frame.identities != names or any(p.dtype != "u8" for p in frame.parts):
         raise BadRequest(
@@ -93,6 +95,7 @@ def h_import_state(app: App, req: Request) -> dict[str, Any] | None:
             {"session_state.sampler.spec": raw.get("spec")},
             "session_state.sampler.spec",
             grammars=app.grammars,
+            limits=app.limits,
         )
     app.submit(ImportStateJob(app.ticket(req), session, meta, kv, spec, below))
     return None
@@ -100,7 +103,7 @@ def h_import_state(app: App, req: Request) -> dict[str, Any] | None:
 
 def h_echo(app: App, req: Request) -> dict[str, Any] | None:
     """Send a request's frame back (frame-path checks and benchmarks)."""
-    frame = get_frame(req.args, "frame", req.buffers)
+    frame = get_frame(req.args, "frame", req.buffers, app.limits)
     tensors = Tensors(
         frame.arrays(),
         list(frame.positions) if frame.positions is not None else None,
@@ -118,7 +121,7 @@ def h_echo(app: App, req: Request) -> dict[str, Any] | None:
 def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
     """Stage to stage: run this stage's layers over an upstream stage's rows."""
     args = req.args
-    frame = get_frame(args, "input", req.buffers)
+    frame = get_frame(args, "input", req.buffers, app.limits)
     n_embd = app.engine.n_embd
     if frame.identities != ("hidden",):
         raise BadRequest("input must carry exactly one part, identity 'hidden'")
@@ -145,7 +148,7 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
         if top is not None and (type(top) is not int or not 0 <= top <= 20):
             raise BadRequest(f"steps[{i}].top_logprobs must be 0..20 or null")
         outputs = get_outputs({"output": entry.get("output") or None})
-        spec = get_sampling(entry, "sampling", grammars=app.grammars)
+        spec = get_sampling(entry, "sampling", grammars=app.grammars, limits=app.limits)
         n = len(tokens)
         steps.append(
             StageStep(
