@@ -1,0 +1,133 @@
+"""The soak (``scripts/soak.py``): CI's 1-minute run, and how its figures are computed.
+
+The 1-minute run is the CI version of the 10-minute figure in
+docs/deploy.md: a real cluster (gateway, two LLM workers, a speech worker)
+under the whole mix. It asserts what a minute can show — no stuck lane, no
+error code the load does not provoke, every process alive, the outputs
+written — and not the RSS bar: RSS after a 30 s warm-up has not settled,
+so the soak reports that growth without judging it under 5 minutes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from conftest import ROOT
+from edge import process
+
+# Codes the mix provokes on purpose (bad input, cancels) or meets on a busy
+# cluster (lanes_busy, queue_full); anything else is a failure.
+EXPECTED_CODES = {
+    "bad_request",
+    "unknown_op",
+    "unsupported_version",
+    "payload_too_large",
+    "context_overflow",
+    "limit_exceeded",  # the same probe where --max-request-tokens catches it first
+    "session_not_active",
+    "cancelled",
+    "lanes_busy",
+    "queue_full",
+}
+
+
+def _soak_module() -> ModuleType:
+    """scripts/soak.py as a module, for its pure figure functions."""
+    sys.path.insert(0, str(ROOT / "scripts"))  # soak imports cluster and soak_mix beside it
+    spec = importlib.util.spec_from_file_location("skiff_soak", ROOT / "scripts" / "soak.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+def test_one_minute_soak_leaves_no_stuck_lanes_and_no_unexpected_errors(tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--minutes", "1", "--out", str(out)]
+    cmd += ["--workers", "2", "--lanes", "4", "--ctx", "2048", "--concurrency", "4"]
+    started = time.monotonic()
+    done = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL
+    )
+    elapsed = time.monotonic() - started
+    tail = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, tail
+    assert "stuck lanes: 0 (bar 0)" in done.stdout and "PASS" in done.stdout, tail
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"] and summary["misses"] == []
+    assert summary["stuck_lanes"] == 0 and summary["not_idle"] == []
+    for name, lanes in summary["lanes"].items():
+        assert lanes["lanes_consistent"] and lanes["stuck_sessions"] == [], name
+    assert summary["alive"] and all(summary["alive"].values()), summary["alive"]
+    assert set(summary["alive"]) == {"gateway", "worker-1", "worker-2", "speech"}
+
+    load = summary["load"]
+    assert load["unexpected_by_code"] == {} and load["checks_failed"] == {}, load
+    assert set(load["errors_by_code"]) <= EXPECTED_CODES, load["errors_by_code"]
+    assert load["tokens"] > 0
+    # Every kind of traffic ran (the weights make each one likely many times a minute).
+    ran = {name for name, n in load["actions"].items() if n > 0}
+    wanted = {"generate", "chat", "verify", "frames", "migrate", "cancel", "disconnect"}
+    assert wanted | {"bad_input", "speech"} <= ran, load["actions"]
+
+    # Sampled from outside (psutil) and inside (stats.process) for every process.
+    samples = summary["samples"]
+    assert len(samples) >= 20
+    for name in summary["alive"]:
+        seen = [s["procs"][name] for s in samples if name in s["procs"]]
+        assert all(e["rss"] and e["rss"] > 10 * 2**20 for e in seen), name
+        assert all(e["objects"] and e["objects"] > 1000 for e in seen), name
+        assert summary["figures"]["rss"][name] is not None, name  # reported, not judged
+    assert summary["config"]["rss_judged"] is False
+    # Warnings are routine (a gone peer, a refused request); an error-level
+    # line means an exception path ran somewhere.
+    for name, levels in summary["log_levels"].items():
+        assert not {"error", "critical"} & set(levels), (name, levels)
+
+    png = (out / "soak.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    assert elapsed < 150, f"the 1-minute soak took {elapsed:.0f} s"
+
+
+def test_warmup_windows_and_growth() -> None:
+    soak = _soak_module()
+    # Warm-up max(1 min, 20 %), at most half the run; windows 10 % (>= 3 samples).
+    assert soak.windows(600.0, 5.0) == (120.0, 60.0)
+    assert soak.windows(60.0, 2.0) == (30.0, 6.0)
+    assert soak.windows(1800.0, 5.0) == (360.0, 180.0)
+    flat = [(float(t), 100.0) for t in range(0, 600, 5)]
+    assert soak.growth(flat, 600.0, 120.0, 60.0)["growth_pct"] == 0.0
+    # Fast growth in warm-up does not count; a slow climb after it does.
+    climb = [(float(t), 50.0 + t if t < 120 else 170.0 + (t - 120) / 20) for t in range(0, 600, 5)]
+    g = soak.growth(climb, 600.0, 120.0, 60.0)
+    assert g is not None and 12.0 < g["growth_pct"] < 14.5  # (192.4 - 171.4) / 171.4
+    assert soak.growth([], 600.0, 120.0, 60.0) is None
+
+
+def test_process_section_counts_objects_and_reuses_the_count() -> None:
+    stats = process.ProcessStats(refresh_s=3600)
+    first = stats.snapshot()
+    assert set(first) == {"pid", "rss_bytes", "objects"}
+    assert first["objects"] > 1000 and first["rss_bytes"] > 10 * 2**20
+    keep: list[list[int]] = [[] for _ in range(5000)]  # 5000 new gc-tracked lists
+    assert stats.snapshot()["objects"] == first["objects"]  # cached within refresh_s
+    stats.refresh_s = 0.0
+    assert stats.snapshot()["objects"] >= first["objects"] + 4000
+    del keep
+
+
+def test_debug_object_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(process.DEBUG_TYPES_ENV, "3")
+    got = process.ProcessStats(refresh_s=0.0).snapshot()
+    assert len(got["object_types"]) == 3 and all(n > 0 for n in got["object_types"].values())
