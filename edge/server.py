@@ -19,6 +19,11 @@ answers, already rendered as ``Outgoing`` messages, out. The loop:
 
 Every failure becomes a reply with the code its ``faults`` class carries;
 anything else is ``internal``. Nothing a request does ends the loop.
+
+Graceful drain (SIGTERM, ``drain()``): new work is refused with
+``shutting_down``, accepted work runs to its end or to the drain timeout,
+after which the service cancels the rest with their final events; then
+``serve_forever`` returns and the process exits 0.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from faults import (
     ErrorCode,
     Fault,
     PayloadTooLarge,
+    ShuttingDown,
     UnknownOp,
     UnsupportedVersion,
     code_of,
@@ -43,7 +49,7 @@ from faults import (
 from protocol import codec, sockets
 from protocol.envelope import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
 
-from . import logs
+from . import logs, zap
 
 if TYPE_CHECKING:
     from .metrics import EdgeMetrics
@@ -51,6 +57,11 @@ if TYPE_CHECKING:
 _log = logs.get_logger("skiff.edge")
 
 MAX_OP_CHARS = 64
+# Served while draining, whatever the service: liveness, state and stopping work.
+ALWAYS_SERVED = frozenset({"ping", "info", "stats", "cancel"})
+# After a drain's timeout cancels the rest, the cancellations get this long to go out.
+CANCEL_GRACE_S = 5.0
+CLOSE_LINGER_MS = 2000  # after a drain: how long the last replies may take to leave
 
 
 class _Undecodable(BadRequest):
@@ -110,6 +121,25 @@ class Service(Protocol):
         """Called about once a second (idle sessions, ...)."""
         ...
 
+    @property
+    def drain_ops(self) -> frozenset[str]:
+        """Ops still served while draining besides ``ping``, ``info``, ``stats``
+        and ``cancel``: those that finish or move accepted work, never new work."""
+        ...
+
+    def begin_drain(self) -> None:
+        """The process is draining (SIGTERM): say so in ``stats``; new work is refused."""
+        ...
+
+    def idle(self) -> bool:
+        """True when no accepted request waits for its final reply."""
+        ...
+
+    def cancel_all(self, reason: str) -> int:
+        """End every accepted request with its final event or error (sent by
+        later turns); returns how many were cancelled."""
+        ...
+
 
 @dataclass(frozen=True)
 class EdgeConfig:
@@ -118,6 +148,7 @@ class EdgeConfig:
     socket: sockets.SocketOptions = field(default_factory=sockets.SocketOptions)
     drain_max: int = 256  # messages handled per pass before the service gets a turn
     idle_poll_ms: int = 100
+    authorized: str = ""  # CURVE (socket.curve): directory of the client keys allowed (ZAP)
 
 
 def failure_header(req_id: int | None, exc: BaseException, op: str | None = None) -> dict[str, Any]:
@@ -146,12 +177,17 @@ class EdgeServer:
         self.service = service
         self.metrics = metrics  # requests in, replies out (edge/metrics.py); None = off
         self._zctx = context or zmq.Context.instance()
+        # ZAP before the bind: a CURVE ROUTER without it admits any client.
+        self.zap = zap.for_server(self._zctx, cfg.bind, cfg.socket.curve, cfg.authorized)
         self.sock = sockets.router(self._zctx, cfg.bind, cfg.socket)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.requests = 0
         self.peers_lost = 0
         self._stop = threading.Event()
         self._last_housekeeping = time.monotonic()
+        self._drain_deadline: float | None = None  # set by drain() (a signal handler)
+        self._drain_begun = False
+        self._cancelled_at: float | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -159,19 +195,73 @@ class EdgeServer:
         """Ask the loop to end after the current pass (signal-safe)."""
         self._stop.set()
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def drain(self, timeout_s: float) -> None:
+        """Stop taking new work, finish what was accepted, then end the loop.
 
-    def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        Signal-safe: it only sets a deadline the loop reads after its pass, so
+        the service is never re-entered mid-turn. New requests get
+        ``shutting_down`` (except ``ALWAYS_SERVED`` and the service's
+        ``drain_ops``); accepted ones run until ``timeout_s``, then the rest
+        are cancelled with their final event and the loop ends. A second
+        call (a second SIGTERM or Ctrl-C) cancels at once.
+        """
+        now = time.monotonic()
+        if self._drain_deadline is None:
+            self._drain_deadline = now + max(0.0, timeout_s)
+        else:
+            self._drain_deadline = min(self._drain_deadline, now)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def close(self) -> None:
+        """Close the socket. After a drain, wait (bounded) for the last replies
+        to leave: they are queued in ZeroMQ, and linger 0 would drop them."""
+        self.sock.close(linger=CLOSE_LINGER_MS if self._drain_begun else 0)
+        if self.zap is not None:
+            self.zap.close()
+
+    def serve_forever(self, poller: zmq.Poller | None = None) -> None:
+        """Serve until ``stop()``, or until a ``drain()`` has run its course.
+        ``poller`` (the gateway's) may watch more sockets than the front."""
+        if poller is None:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            if self.zap is not None:
+                poller.register(self.zap.socket, zmq.POLLIN)
         while not self._stop.is_set():
             self.run_once(poller)
+            if self._drain_deadline is not None and self._drain_step():
+                return
+
+    def _drain_step(self) -> bool:
+        """One drain check after a pass; True when the loop may end."""
+        assert self._drain_deadline is not None
+        now = time.monotonic()
+        if not self._drain_begun:
+            self._drain_begun = True
+            _log.warning("drain_started", timeout_s=round(self._drain_deadline - now, 3))
+            self.service.begin_drain()
+        if self.service.idle():
+            _log.info("drain_done", cancelled=self._cancelled_at is not None)
+            return True
+        if self._cancelled_at is None:
+            if now >= self._drain_deadline:
+                self._cancelled_at = now
+                n = self.service.cancel_all("the worker is shutting down (drain timeout)")
+                _log.warning("drain_timeout", cancelled=n)
+            return False
+        if now - self._cancelled_at > CANCEL_GRACE_S:
+            _log.error("drain_gave_up", grace_s=CANCEL_GRACE_S)
+            return True
+        return False
 
     def run_once(self, poller: zmq.Poller) -> None:
         """One pass: wait (only when idle), drain, one service turn, housekeeping."""
         busy = self.service.has_work()
-        if poller.poll(0 if busy else self.cfg.idle_poll_ms):
+        events = poller.poll(0 if busy else self.cfg.idle_poll_ms)
+        if zap.split_events(self.zap, events):  # handshakes are answered even when busy
             self._drain()
         if self.service.has_work():
             try:
@@ -229,6 +319,8 @@ class EdgeServer:
                 self.metrics.received(peer, req_id, op)
             request = self._envelope(peer, header, req_id, op, frames)
             logs.bind_request(request.id, request.op, request.session)
+            if self._drain_deadline is not None:
+                self._refuse_while_draining(request.op)
             handler = self.service.handlers.get(request.op)
             if handler is None:
                 raise UnknownOp(f"unknown op {request.op!r}")
@@ -240,6 +332,16 @@ class EdgeServer:
             return
         if result is not None:
             self.deliver([Outgoing(peer, ok_reply(req_id, result))])
+
+    def _refuse_while_draining(self, op: str) -> None:
+        if op in ALWAYS_SERVED or op in self.service.drain_ops:
+            return
+        assert self._drain_deadline is not None
+        left_ms = int((self._drain_deadline - time.monotonic()) * 1000)
+        raise ShuttingDown(
+            "this process is shutting down and takes no new work; retry elsewhere or later",
+            retry_after_ms=max(1000, left_ms),
+        )
 
     def _decode(self, frame: zmq.Frame) -> dict[str, Any]:
         try:

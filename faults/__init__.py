@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     STAGE_UNAVAILABLE = "stage_unavailable"
     WORKER_UNAVAILABLE = "worker_unavailable"
+    SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 
 
@@ -96,7 +97,11 @@ class DeadlineExceeded(Fault):
 
 
 class LimitExceeded(Fault):
-    """A per-request limit (audio length, ...) was reached while running."""
+    """A configured limit was exceeded: a size the request chose (tokens,
+    ``max_tokens``, stop strings, grammar, frame parts, ...), a count its peer
+    grew (sessions or streams held), or a per-request limit reached while
+    running (speech ``max_seconds``). The message names the field, the limit
+    and, for a worker setting, its flag; malformed input stays ``BadRequest``."""
 
     code = ErrorCode.LIMIT_EXCEEDED
 
@@ -117,6 +122,14 @@ class WorkerUnavailable(Fault):
     """The gateway has no live worker for this request, or the one holding it died."""
 
     code = ErrorCode.WORKER_UNAVAILABLE
+
+
+class ShuttingDown(Fault):
+    """The process is draining before it exits: it takes no new work. Nothing
+    ran; ``retry_after_ms`` says when to try again (elsewhere, or here once
+    restarted)."""
+
+    code = ErrorCode.SHUTTING_DOWN
 
 
 class Internal(Fault):
@@ -154,6 +167,7 @@ _BY_CODE: dict[str, type[Fault]] = {
         Unsupported,
         StageUnavailable,
         WorkerUnavailable,
+        ShuttingDown,
         Internal,
     )
 }
@@ -184,6 +198,7 @@ __all__ = [
     "PositionMismatch",
     "QueueFull",
     "SessionNotActive",
+    "ShuttingDown",
     "StageUnavailable",
     "UnknownOp",
     "Unsupported",

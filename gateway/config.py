@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.logs import LOG_FORMATS
-from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES
+from edge.zap import keys_from_flags
+from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, Curve
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 DEFAULT_BIND = "tcp://127.0.0.1:5550"
@@ -40,10 +41,16 @@ class GatewayConfig:
     prefix_index_blocks: int = 65_536  # remembered prefix blocks per worker (LRU)
     max_request_bytes: int = 4 * 1024 * 1024
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long
+    max_inflight_per_client: int = 256  # requests one client may have in flight; 0 = no limit
     log_format: str = "auto"
     log_level: str = "info"
     extra_workers: tuple[str, ...] = field(default=(), repr=False)  # from the file
     extra_speech: tuple[str, ...] = field(default=(), repr=False)
+    # CURVE (docs/security.md): the gateway's own key pair, used by its front
+    # and as its identity toward the workers (``server_key``: their public key).
+    curve: Curve | None = field(default=None, repr=False)
+    curve_authorized: str = ""  # the front's allow-list: a directory of client .key files
 
     @property
     def all_workers(self) -> tuple[str, ...]:
@@ -107,8 +114,41 @@ _OPTIONS: list[tuple[str, type, str, str]] = [
     ),
     ("max-request-bytes", int, "SKIFF_MAX_REQUEST_BYTES", "largest request header"),
     ("max-message-bytes", int, "SKIFF_MAX_MESSAGE_BYTES", "largest ZeroMQ frame (MAXMSGSIZE)"),
+    (
+        "max-inflight-per-client",
+        int,
+        "SKIFF_GATEWAY_MAX_INFLIGHT_PER_CLIENT",
+        "requests (streams included) one client may have in flight; more is limit_exceeded; "
+        "0 = no limit",
+    ),
+    (
+        "drain-timeout-s",
+        float,
+        "SKIFF_DRAIN_TIMEOUT_S",
+        "on SIGTERM/SIGINT refuse new requests (shutting_down), relay accepted ones this "
+        "long, then cancel the rest and exit 0; a second signal cancels at once",
+    ),
     ("log-format", str, "SKIFF_LOG_FORMAT", "auto (console on a TTY, else json), json, console"),
     ("log-level", str, "SKIFF_LOG_LEVEL", "debug, info, warning, error"),
+    (
+        "curve-secret-key",
+        str,
+        "SKIFF_CURVE_SECRET_KEY",
+        "CURVE on: the gateway's secret certificate (skiff-keys); its front encrypts and its "
+        "key is its identity toward the workers; '' = plain",
+    ),
+    (
+        "curve-authorized",
+        str,
+        "SKIFF_CURVE_AUTHORIZED",
+        "CURVE: directory of the public certificates (*.key) of the clients allowed in",
+    ),
+    (
+        "curve-server-key",
+        str,
+        "SKIFF_CURVE_SERVER_KEY",
+        "CURVE: the workers' public certificate (NAME.key)",
+    ),
 ]
 _LISTS = [
     ("worker", "SKIFF_GATEWAY_WORKERS", "LLM worker (or chain stage-0) endpoint; repeatable"),
@@ -120,7 +160,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Every ``serve`` flag, its default taken from its variable when set."""
     defaults = GatewayConfig()
     for option, kind, env, text in _OPTIONS:
-        default = getattr(defaults, option.replace("-", "_"))
+        default = getattr(defaults, option.replace("-", "_"), "")  # curve-*: paths, not fields
         raw = os.environ.get(env)
         if raw is not None:
             default = kind(raw)
@@ -170,10 +210,20 @@ def from_namespace(ns: argparse.Namespace) -> GatewayConfig:
         prefix_index_blocks=ns.prefix_index_blocks,
         max_request_bytes=ns.max_request_bytes,
         max_message_bytes=ns.max_message_bytes,
+        drain_timeout_s=ns.drain_timeout_s,
+        max_inflight_per_client=ns.max_inflight_per_client,
         log_format=ns.log_format,
         log_level=ns.log_level,
         extra_workers=extra_llm,
         extra_speech=extra_speech,
+        curve=keys_from_flags(
+            "skiff-gateway",
+            ns.curve_secret_key,
+            ns.curve_authorized,
+            ns.curve_server_key,
+            dials="its workers",
+        ),
+        curve_authorized=ns.curve_authorized,
     )
     check(cfg)
     return cfg
@@ -186,6 +236,10 @@ def check(cfg: GatewayConfig) -> None:
         raise SystemExit(
             "skiff-gateway: --health-interval-ms must be >= 10 and below --down-after-ms"
         )
+    if cfg.drain_timeout_s < 0:
+        raise SystemExit("skiff-gateway: --drain-timeout-s must be >= 0")
+    if cfg.max_inflight_per_client < 0:
+        raise SystemExit("skiff-gateway: --max-inflight-per-client must be >= 0 (0 = no limit)")
     if cfg.stall_after_ms < cfg.down_after_ms:
         raise SystemExit("skiff-gateway: --stall-after-ms must be at least --down-after-ms")
     if cfg.http:

@@ -26,6 +26,7 @@ class Host(Protocol):
     held: dict[str, list[Request]]  # sessions being moved -> requests waiting for them
     forwarded: int
     started: float
+    draining: bool  # SIGTERM: relaying accepted work, refusing new
 
     def busy(self, session: str) -> bool:
         """A request naming ``session`` is in flight."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 from .affinity import AffinityTable
 from .ops import EPHEMERAL_LANE_OPS, WORK_OPS
@@ -36,6 +37,10 @@ class Inflight:
     placed: bool  # made placements not yet confirmed by an ok reply
     work: bool
     lane: bool
+    # The request itself while another worker could still take it instead
+    # (new placement or sessionless, no ok reply yet): a worker that answers
+    # ``shutting_down`` ran nothing, so the gateway sends it elsewhere.
+    retry: Any = None
 
 
 class Ledger:
@@ -44,6 +49,7 @@ class Ledger:
         self.inflight: dict[int, Inflight] = {}
         self.by_client: dict[tuple[bytes, int], int] = {}
         self.session_busy: dict[str, int] = {}  # session -> requests in flight naming it
+        self.per_client: dict[bytes, int] = {}  # client -> its requests in flight
 
     def __len__(self) -> int:
         return len(self.inflight)
@@ -63,6 +69,7 @@ class Ledger:
         rec = Inflight(gid, peer, client_id, op, w, sessions, placed, work, lane)
         self.inflight[gid] = rec
         self.by_client[(peer, client_id)] = gid
+        self.per_client[peer] = self.per_client.get(peer, 0) + 1
         w.inflight.add(gid)
         if work:
             w.sent_work += 1
@@ -86,6 +93,7 @@ class Ledger:
         for rec in gone:
             self.by_client.pop((peer, rec.client_id), None)
             rec.peer = None
+        self.per_client.pop(peer, None)
         return gone
 
     def confirm(self, rec: Inflight) -> None:
@@ -93,12 +101,18 @@ class Ledger:
         for s in rec.sessions:
             self.affinity.confirm(s)
         rec.placed = False
+        rec.retry = None
 
     def finish(self, rec: Inflight, ok: bool) -> None:
         """Bookkeeping at a request's final reply (or its worker's end)."""
         self.inflight.pop(rec.gid, None)
         if rec.peer is not None:
             self.by_client.pop((rec.peer, rec.client_id), None)
+            left = self.per_client.get(rec.peer, 1) - 1
+            if left > 0:
+                self.per_client[rec.peer] = left
+            else:
+                self.per_client.pop(rec.peer, None)
         w = rec.worker
         w.inflight.discard(rec.gid)
         if rec.work:

@@ -33,6 +33,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     ErrorCode.UNKNOWN_OP: (501, "not_implemented_error"),
     ErrorCode.WORKER_UNAVAILABLE: (503, "service_unavailable_error"),
     ErrorCode.STAGE_UNAVAILABLE: (503, "service_unavailable_error"),
+    ErrorCode.SHUTTING_DOWN: (503, "service_unavailable_error"),
     # only our own cancel (client gone) or a drain ends a request this way
     ErrorCode.CANCELLED: (503, "service_unavailable_error"),
     ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
@@ -122,8 +123,10 @@ def unavailable(message: str) -> ApiError:
 def from_skiff(exc: SkiffError) -> ApiError:
     """The HTTP error for a skiff error reply (or the client's own timeout)."""
     status, type_ = _BY_CODE.get(exc.code, (500, "server_error"))
+    if exc.code == ErrorCode.LIMIT_EXCEEDED and exc.retry_after_ms is not None:
+        status, type_ = 429, "rate_limit_error"  # a per-client quota, not a bad request
     retry = None
-    if status == 429:
+    if status == 429 or (status == 503 and exc.retry_after_ms is not None):
         # whole seconds, at least 1: Retry-After has no fractions
         retry = max(1, math.ceil((exc.retry_after_ms or 1000) / 1000))
     param = None

@@ -156,6 +156,7 @@ class Pool:
         stall_after_ms: int = 15_000,
         listener: PoolListener,
         ids: itertools.count[int] | None = None,
+        curve: sockets.Curve | None = None,
     ) -> None:
         self.interval = health_interval_ms / 1000
         self.down_after = down_after_ms / 1000
@@ -164,7 +165,9 @@ class Pool:
         self.ids = ids or itertools.count(1)
         self.calls: dict[int, _Call] = {}
         self.workers: dict[str, WorkerConn] = {}
-        opts = sockets.SocketOptions(max_message_bytes=-1)  # workers are trusted peers
+        # Workers are trusted peers: no frame cap. With ``curve`` (the gateway's own
+        # pair and the workers' public key) every worker link is a CURVE client.
+        opts = sockets.SocketOptions(max_message_bytes=-1, curve=curve)
         for kind, endpoints in ((LLM, llm), (SPEECH, speech)):
             for ep in endpoints:
                 sock = sockets.dealer(context, ep, opts, connect=False)
@@ -309,6 +312,9 @@ class Pool:
                 w.probing = True
             w.uptime_s = float(uptime)
         w.apply_stats(result)
+        if result.get("draining") is True and not w.draining and not w.drained and w.up:
+            w.draining = True  # shutting down: no new work until it restarts and rejoins
+            _log.warning("worker_shutting_down", worker=w.name)
         if w.probing:
             w.probing = False
             w.up = True

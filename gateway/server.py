@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -31,13 +32,21 @@ import msgpack
 import zmq
 
 from edge import EdgeServer, Handler, Outgoing, Request, failure_header, logs
-from faults import BadRequest, Cancelled, DeadlineExceeded, Fault, WorkerUnavailable
+from faults import (
+    BadRequest,
+    Cancelled,
+    DeadlineExceeded,
+    ErrorCode,
+    Fault,
+    LimitExceeded,
+    WorkerUnavailable,
+)
 from protocol.envelope import VERSION, error_reply, ok_reply
 
 from .affinity import AffinityTable
 from .config import GatewayConfig
 from .drain import Drainer
-from .ledger import Ledger
+from .ledger import Inflight, Ledger
 from .metrics import GatewayMetrics
 from .ops import PROMPT_OPS, SPEECH_OPS, UNPLACED_OPS, OpTable, sessions_of
 from .pool import LLM, NOBLOCK, SPEECH, Pool, WorkerConn
@@ -46,6 +55,9 @@ from .router import PrefixIndex, Router, prompt_blocks
 from .views import gateway_info, gateway_stats, gateway_status
 
 _log = logs.get_logger("skiff.gateway")
+
+# Ops a draining gateway still serves besides ping/info/stats/cancel.
+_DRAIN_OPS = frozenset({"gateway_status"})
 
 TICK_S = 0.05
 RECV_BATCH = 512  # messages taken from one worker per turn
@@ -76,6 +88,7 @@ class GatewayService:
             stall_after_ms=cfg.stall_after_ms,
             listener=self,
             ids=self.ids,
+            curve=cfg.curve,
         )
         self.router = Router(
             cfg.policy,
@@ -93,6 +106,8 @@ class GatewayService:
         self.ready: set[zmq.Socket[Any]] = set()  # worker sockets the last poll found readable
         self.relay: Relay | None = None  # set by attach(); until then replies go via the edge
         self._next_tick = 0.0
+        self.draining = False  # SIGTERM: relaying accepted work, refusing new
+        self.trusted: set[bytes] = set()  # peers the per-client limit spares (trust_peer)
         local: dict[str, Handler] = {
             "ping": lambda req: {"pong": True},
             "info": lambda req: gateway_info(self),
@@ -102,6 +117,14 @@ class GatewayService:
             "gateway_drain": self._drain,
         }
         self._handlers = OpTable(local, self._forward)
+
+    def trust_peer(self) -> bytes:
+        """A routing id for an in-process front (the HTTP one) that carries
+        many clients' requests: the per-client limit does not apply to it.
+        Random, so no outside client can claim it."""
+        peer = b"\0front-" + os.urandom(16)
+        self.trusted.add(peer)
+        return peer
 
     def attach(self, edge: EdgeServer) -> None:
         """Send forwarded replies straight on ``edge``'s socket (the hot path)."""
@@ -155,6 +178,34 @@ class GatewayService:
     def housekeeping(self, now: float) -> None:
         pass
 
+    @property
+    def drain_ops(self) -> frozenset[str]:
+        return _DRAIN_OPS
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def idle(self) -> bool:
+        """No client request in flight or held, no worker drain running."""
+        return not (len(self.ledger) or self._out or self.drainer.tasks) and not any(
+            self.held.values()
+        )
+
+    def cancel_all(self, reason: str) -> int:
+        """Cancel in-flight requests on their workers (their final events come
+        back through the usual path) and end held ones here."""
+        count = 0
+        for rec in list(self.ledger.inflight.values()):
+            if rec.peer is not None:
+                self.pool.call(rec.worker, "cancel", args={"id": rec.gid})
+                count += 1
+        for waiting in self.held.values():
+            for req in waiting:
+                self._out.append(Outgoing(req.peer, failure_header(req.id, Cancelled(reason))))
+                count += 1
+            waiting.clear()
+        return count
+
     # -- worker -> client (the hot path) -----------------------------------------------
 
     def _recv(self, w: WorkerConn, now: float) -> None:
@@ -188,6 +239,8 @@ class GatewayService:
                     _log.debug("stale_reply", worker=w.name, id=gid)
                 continue
             ok = header.get("ok") is True
+            if not ok and rec.retry is not None and self._reroute(w, rec, header):
+                continue
             if rec.placed and ok:
                 self.ledger.confirm(rec)
             if not ok or "event" not in header or header.get("done"):
@@ -202,9 +255,35 @@ class GatewayService:
             if self.metrics is not None:
                 self.metrics.to_client(len(first), buffers)
 
+    def _reroute(self, w: WorkerConn, rec: Inflight, header: dict[str, Any]) -> bool:
+        """A worker refused new work because it is shutting down (nothing ran):
+        route no new work to it and send the request to another worker. False
+        when this reply is some other failure."""
+        error = header.get("error")
+        if not isinstance(error, dict) or error.get("code") != ErrorCode.SHUTTING_DOWN:
+            return False
+        if not w.draining:
+            w.draining = True  # until it goes down and comes back (pool: rejoin)
+            _log.warning("worker_shutting_down", worker=w.name)
+        self.ledger.finish(rec, False)
+        if rec.peer is not None:
+            self.send_later(rec.retry)
+        return True
+
     # -- client -> worker -----------------------------------------------------------
 
     def _forward(self, req: Request) -> dict[str, Any] | None:
+        limit = self.cfg.max_inflight_per_client
+        if (
+            limit
+            and self.ledger.per_client.get(req.peer, 0) >= limit
+            and req.peer not in self.trusted
+        ):
+            raise LimitExceeded(
+                f"this client has {limit} requests in flight; the limit is {limit} "
+                "(--max-inflight-per-client)",
+                retry_after_ms=100,
+            )
         if req.op in SPEECH_OPS:
             self._dispatch(req, self._speech_worker(), (), placed=False)
             return None
@@ -304,7 +383,9 @@ class GatewayService:
             if placed:
                 self.ledger.unplace(w, sessions)
             raise _NotSent(f"worker {w.name} is not accepting requests")
-        self.ledger.open(gid, req.peer, req.id, req.op, w, sessions, placed)
+        rec = self.ledger.open(gid, req.peer, req.id, req.op, w, sessions, placed)
+        if placed or not sessions:
+            rec.retry = req
         self.forwarded += 1
         if req.op == "drop" and req.session is not None:
             self.affinity.drop_started(req.session)

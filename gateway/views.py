@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from edge import process as process_stats
 from faults import WorkerUnavailable
 
 from .host import Host
@@ -71,12 +72,14 @@ def gateway_stats(svc: Host) -> dict[str, Any]:
         "in_flight": len(svc.ledger),
         "forwarded": svc.forwarded,
         "held": sum(len(v) for v in svc.held.values()),
+        "draining": svc.draining,
         "uptime_s": round(time.monotonic() - svc.started, 3),
         "workers": {
             "total": len(svc.pool.of_kind(LLM)),
             "up": sum(w.up for w in svc.pool.of_kind(LLM)),
         },
         "routing": {"policy": svc.router.policy, "cache_routed": svc.router.cache_routed},
+        "process": process_stats.snapshot(),  # the gateway's own RSS and Python objects
     }
 
 

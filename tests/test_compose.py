@@ -228,3 +228,25 @@ def test_an_invalid_file_is_rejected(tmp_path: Path) -> None:
         timeout=60,
     )
     assert out.returncode != 0 and "rstart" in out.stderr
+
+
+def test_stop_grace_covers_the_drain() -> None:
+    """SIGTERM drains: the default 30 s for accepted work plus 5 s to send the
+    cancellations must pass before compose sends SIGKILL."""
+    for name in LONG_RUNNING:
+        grace = _services()[name]["stop_grace_period"]
+        assert _seconds(grace) >= worker_config.WorkerConfig().drain_timeout_s + 5, name
+
+
+def _seconds(duration: str | int | float) -> float:
+    """A compose duration (``40s``, ``1m30s``) or nanoseconds, in seconds."""
+    if isinstance(duration, int | float):
+        return duration / 1e9
+    total, number = 0.0, ""
+    for ch in duration:
+        if ch.isdigit() or ch == ".":
+            number += ch
+        else:
+            total += float(number) * {"h": 3600, "m": 60, "s": 1}[ch]
+            number = ""
+    return total

@@ -28,6 +28,7 @@ from gateway.pool import WorkerConn
 from gateway.router import Candidate, PrefixIndex, Router, least_loaded, prompt_blocks
 from gateway.runner import Gateway, connectable
 from protocol import Client, SkiffError
+from protocol.sockets import SocketOptions
 
 # -- router ---------------------------------------------------------------------------
 
@@ -240,6 +241,7 @@ class FakeWorker(threading.Thread):
         self.sessions: dict[str, int] = dict.fromkeys(sessions, 1)
         self.seen: list[dict[str, Any]] = []
         self.silent = threading.Event()
+        self.shutting_down = False  # refuse new work as a draining worker does
         self.export_delay = 0.0
         self.tick = 0.01
         self._halt = threading.Event()
@@ -288,7 +290,9 @@ class FakeWorker(threading.Thread):
             err = {"code": code, "message": f"fake: {code}"}
             self._send(peer, {"v": 1, "id": rid, "ok": False, "error": err})
 
-        if op == "ping":
+        if self.shutting_down and op not in ("ping", "info", "stats", "cancel", "drop"):
+            fail("shutting_down")
+        elif op == "ping":
             ok({"pong": True})
         elif op == "info":
             ok({"model": {"name": "fake", "n_vocab": 10}, "lanes": self.lanes, "ops": ["echo"]})
@@ -353,6 +357,7 @@ class FakeWorker(threading.Thread):
             ],
             "running": running,
             "queued": 0,
+            "draining": self.shutting_down,
             "uptime_s": time.monotonic() - self.started_at,
         }
 
@@ -660,3 +665,83 @@ def test_a_session_that_cannot_move_stays_and_is_served(tmp_path: Path) -> None:
             assert "c" not in src.sessions and "d" not in src.sessions
     finally:
         cl.close()
+
+
+def test_work_a_shutting_down_worker_refuses_goes_to_another(cluster: Cluster) -> None:
+    """``shutting_down`` means nothing ran: the gateway sends the request to
+    the other worker, and no new work to the draining one until it restarts."""
+    draining, other = cluster.fakes
+    draining.shutting_down = True
+    with cluster.client() as c:
+        for i in range(4):  # whichever worker the policy picks first
+            assert c.prefill(f"s{i}", [1, 2]) == 2
+            rid = c.send("generate", None, {"max_tokens": 2})
+            assert [r.header.get("finish_reason") for r in c.follow(rid)][-1] == "length"
+    assert set(other.sessions) == {f"s{i}" for i in range(4)}
+    assert draining.sessions == {}
+    _until(lambda: [w["draining"] for w in cluster.status()["workers"]] == [True, False])
+
+
+def test_a_draining_gateway_refuses_new_work_and_relays_the_rest(tmp_path: Path) -> None:
+    cl = Cluster(tmp_path, n=1)
+    cl.wait_up()
+    try:
+        cl.fakes[0].tick = 0.05
+        with cl.client() as c:
+            rid = c.send("generate", None, {"max_tokens": 20})
+            c.recv(rid).raise_for_error()
+            cl.gateway.drain(30)
+            _until(lambda: bool(c.call("stats").result["draining"]))
+            with pytest.raises(SkiffError) as err:
+                c.prefill("late", [1])
+            assert err.value.code == "shutting_down"
+            events = list(c.follow(rid))
+            assert events[-1].header["finish_reason"] == "length"
+        cl.thread.join(10)
+        assert not cl.thread.is_alive()  # the loop ended by itself once idle
+    finally:
+        cl.close()
+
+
+def test_requests_in_flight_per_client_are_limited(tmp_path: Path) -> None:
+    fake = FakeWorker(f"ipc://{tmp_path}/fake.sock")
+    fake.tick = 0.05
+    fake.start()
+    cfg = GatewayConfig(
+        bind=f"ipc://{tmp_path}/gw.sock",
+        workers=(fake.endpoint,),
+        health_interval_ms=50,
+        down_after_ms=400,
+        stall_after_ms=600,
+        max_inflight_per_client=2,
+    )
+    gateway = Gateway(cfg)
+    trusted = gateway.service.trust_peer()
+    thread = threading.Thread(target=gateway.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with (
+            Client(gateway.endpoint, timeout_ms=10_000) as a,
+            Client(gateway.endpoint, timeout_ms=10_000) as b,
+        ):
+            _until(lambda: bool(a.call("gateway_status").result["workers"][0]["up"]))
+            first = [a.send("generate", None, {"max_tokens": 10}) for _ in range(2)]
+            with pytest.raises(SkiffError) as err:
+                a.call("generate", None, {"max_tokens": 1})
+            assert err.value.code == "limit_exceeded" and "--max-inflight-per-client" in str(
+                err.value
+            )
+            assert list(b.follow(b.send("generate", None, {"max_tokens": 1})))  # others go on
+            for rid in first:
+                assert list(a.follow(rid))[-1].header["finish_reason"] == "length"
+            assert list(a.follow(a.send("generate", None, {"max_tokens": 1})))  # room again
+        opts = SocketOptions(max_message_bytes=-1, routing_id=trusted)
+        with Client(gateway.endpoint, timeout_ms=10_000, options=opts) as front:
+            ids = [front.send("generate", None, {"max_tokens": 3}) for _ in range(4)]
+            for rid in ids:  # the in-process HTTP front carries many clients: not limited
+                assert list(front.follow(rid))[-1].header["finish_reason"] == "length"
+    finally:
+        gateway.stop()
+        thread.join(5)
+        gateway.close()
+        fake.stop()

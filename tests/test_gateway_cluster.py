@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -70,12 +71,15 @@ class Cluster:
             self.start_worker(ep)
         self.gateway_ep = f"ipc://{tmp}/gw.sock"
         self.metrics_port = _free_port()
+        for ep in self.endpoints:
+            self.wait_worker(ep)
+        self.start_gateway()
+
+    def start_gateway(self) -> None:
         args = ["gateway.cli", "--bind", self.gateway_ep, "--metrics-port", str(self.metrics_port)]
         for ep in self.endpoints:
             args += ["--worker", ep]
-        self.gateway = _spawn(args, tmp / "gateway.log")
-        for ep in self.endpoints:
-            self.wait_worker(ep)
+        self.gateway = _spawn(args, self.tmp / "gateway.log")
         _until(lambda: all(w["up"] for w in self.status()["workers"]), what="workers up")
 
     def start_worker(self, ep: str) -> None:
@@ -298,3 +302,78 @@ def test_drain_moves_live_sessions_and_continuations_are_exact(cluster: Cluster)
     with cluster.client() as c:
         for n in names:
             c.drop(n)
+
+
+def test_a_sigterm_worker_finishes_its_streams_while_the_gateway_serves_on(
+    cluster: Cluster,
+) -> None:
+    """A worker restarting (SIGTERM): its accepted stream runs to its end,
+    the gateway sends every new request to the other worker (those the
+    draining worker refuses with ``shutting_down`` included), and the worker
+    exits 0 and rejoins when started again."""
+    victim, survivor = cluster.endpoints
+    args = {"prompt": "Count slowly:", "max_tokens": 150, "ignore_eos": True}
+    runs = []
+    for _ in range(2):  # one stream per worker
+        seen: list[float] = []
+        end: dict[str, Any] = {}
+        t = threading.Thread(target=_follow, args=(cluster.gateway_ep, args, seen, end))
+        t.start()
+        runs.append((t, end))
+        _until(lambda seen=seen: len(seen) >= 2, what="stream started")  # type: ignore[misc]
+    cluster.workers[victim].send_signal(signal.SIGTERM)
+    with cluster.client() as c:
+        for i in range(4):
+            result = c.call(
+                "generate", None, {"prompt": f"Hi {i}", "max_tokens": 2, "stream": False}
+            )
+            assert result.result["usage"]["completion_tokens"] == 2
+            c.prefill(f"during-drain{i}", c.tokenize(f"A session made while w1 drains, {i}"))
+    assert all(cluster.holders(f"during-drain{i}") == [survivor] for i in range(4))
+    view = {w["endpoint"]: w for w in cluster.status()["workers"]}
+    assert view[victim]["draining"]  # told by a refusal or its stats; clears on rejoin
+    for t, end in runs:
+        t.join(60)
+        assert "code" not in end, end
+        assert end["last"]["finish_reason"] == "length"
+    assert cluster.workers[victim].wait(60) == 0
+    cluster.start_worker(victim)
+    cluster.wait_worker(victim)
+    _until(lambda: all(w["up"] for w in cluster.status()["workers"]), what="rejoin")
+    with cluster.client() as c:
+        for i in range(4):
+            c.drop(f"during-drain{i}")
+
+
+def test_a_gateway_restart_keeps_the_workers_sessions(cluster: Cluster) -> None:
+    """SIGTERM the gateway mid-stream: the stream ends normally, new work is
+    refused with ``shutting_down``, the gateway exits 0; a new gateway finds
+    the session on its worker (from ``stats``) and the greedy continuation
+    equals an uninterrupted run."""
+    with cluster.client() as c:
+        prompt = c.tokenize(PROMPTS[0])
+        first = int(c.prefill_sampled("survivor", prompt)["token"])
+        got = [first, *_greedy(c, "survivor", first, BEFORE)]
+        ref_first = int(c.prefill_sampled("ref", prompt)["token"])
+        expected = [ref_first, *_greedy(c, "ref", ref_first, BEFORE + AFTER)]
+        c.drop("ref")
+    seen: list[float] = []
+    end: dict[str, Any] = {}
+    args = {"prompt": "Count slowly:", "max_tokens": 40, "ignore_eos": True}
+    stream = threading.Thread(target=_follow, args=(cluster.gateway_ep, args, seen, end))
+    stream.start()
+    _until(lambda: len(seen) >= 2, what="stream started")
+    cluster.gateway.send_signal(signal.SIGTERM)
+    with cluster.client() as c:
+        _until(lambda: bool(c.stats()["draining"]), what="gateway draining")
+        with pytest.raises(SkiffError) as err:
+            c.decode("survivor", got[-1])
+        assert err.value.code == "shutting_down"
+    stream.join(60)
+    assert "code" not in end and end["last"]["finish_reason"] == "length", end
+    assert cluster.gateway.wait(60) == 0
+    cluster.start_gateway()
+    with cluster.client() as c:
+        got += _greedy(c, "survivor", got[-1], AFTER)
+        assert got == expected
+        c.drop("survivor")

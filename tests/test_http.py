@@ -31,10 +31,10 @@ import zmq
 from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.http import HttpFront
-from gateway.openai_errors import ApiError
+from gateway.openai_errors import ApiError, from_skiff
 from gateway.openai_media import speech_args
 from gateway.openai_shapes import plan_chat, plan_completion
-from protocol import Client, codec
+from protocol import Client, SkiffError, codec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
@@ -515,3 +515,20 @@ def test_audio_speech_wav_and_pcm(speech_front: HttpFront) -> None:
     assert len(audio) % 2 == 0 and len(audio) > 22050  # s16le, over half a second
     with pytest.raises(openai.BadRequestError):
         oai.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="mp3")
+
+
+@pytest.mark.parametrize(
+    ("code", "retry_ms", "status", "retry_after"),
+    [
+        ("limit_exceeded", None, 400, None),  # a request over a size limit: fix the request
+        ("limit_exceeded", 1000, 429, "1"),  # a per-client quota: come back later
+        ("shutting_down", 2500, 503, "3"),  # a draining process: retry elsewhere or later
+        ("queue_full", 200, 429, "1"),
+    ],
+)
+def test_skiff_codes_map_to_http_status_and_retry_after(
+    code: str, retry_ms: int | None, status: int, retry_after: str | None
+) -> None:
+    err = from_skiff(SkiffError(code, "x", retry_ms))
+    assert err.status == status
+    assert err.headers().get("Retry-After") == retry_after

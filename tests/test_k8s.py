@@ -18,6 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from worker.config import WorkerConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 # The oldest release we promise to run on; strict = unknown fields are errors.
@@ -232,3 +234,19 @@ def test_one_image_everywhere_and_non_root() -> None:
         for container in pod.get("initContainers", []) + pod["containers"]:
             images.add(container["image"])
     assert len(images) == 1, images
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("StatefulSet", "skiff-worker"),
+        ("Deployment", "skiff-gateway"),
+        ("Deployment", "skiff-speech"),
+    ],
+)
+def test_termination_grace_covers_the_drain(kind: str, name: str) -> None:
+    """SIGTERM drains for SKIFF_DRAIN_TIMEOUT_S (30 s unless set) plus 5 s to
+    send the cancellations; the kubelet must not SIGKILL before."""
+    workload = _one(kind, name)
+    drain = float(_env(workload).get("SKIFF_DRAIN_TIMEOUT_S", WorkerConfig().drain_timeout_s))
+    assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + 5

@@ -83,6 +83,8 @@ class FakeRuntime:
         self.ctx_per_lane = ctx_per_lane
         self.calls: list[list[Row]] = []  # every forward, in order
         self.fail_next = False  # the next forward raises EngineFault
+        self.cannot_fit: SessionId | None = None  # every forward naming it raises EngineFault
+        self.advance_on_failure: dict[str, int] = {}  # KV the failed forward moved anyway
         self.step_error: SessionId | None = None  # sampling fails for this session
 
     def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]:
@@ -109,6 +111,9 @@ class FakeRuntime:
     def drop(self, session_id: SessionId) -> None:
         self.lanes.release(session_id)
 
+    def free_cached_kv(self) -> int:
+        return 0
+
     def trim(self, session_id: SessionId, token_count: int) -> int:
         session = self.lanes.require(session_id)
         if token_count > session.position:
@@ -129,6 +134,8 @@ class FakeRuntime:
         if self.fail_next:
             self.fail_next = False
             raise EngineFault("injected decode failure", {})
+        if any(s.session.id == self.cannot_fit for s in steps):
+            raise EngineFault("no KV slot for the batch", self.advance_on_failure)
         for step in steps:
             self.ensure_room(step.session, len(step.tokens))
         results: list[StepResult] = []
@@ -694,7 +701,7 @@ def test_admission_timeout_applies_to_jobs_waiting_for_a_lane() -> None:
 # -- failures ------------------------------------------------------------------
 
 
-def test_forward_failure_fails_only_that_turns_jobs() -> None:
+def test_a_batch_that_fails_once_is_retried_job_by_job_and_nobody_fails() -> None:
     h = Harness(lanes=3, max_batch_tokens=4)
     stream = h.submit(h.generate(max_tokens=50))
     h.turn()
@@ -702,16 +709,48 @@ def test_forward_failure_fails_only_that_turns_jobs() -> None:
     left_out = h.submit(h.batch({"y": 2}))  # 1 + 2 + 2 > 4: not in this turn
     h.rt.fail_next = True
     h.turn()
-    assert h.rt.sessions_of(1) == [h.session(stream), "x"]
-    assert isinstance(h.error(stream), EngineFault)
-    assert isinstance(h.error(in_turn), EngineFault)
+    assert h.rt.sessions_of(1) == [h.session(stream), "x"]  # failed, nothing moved
+    assert h.rt.sessions_of(2) == [h.session(stream)]  # then each job alone
+    assert h.rt.sessions_of(3) == ["x"]
+    assert h.result(in_turn)["positions"] == [2]
     assert h.out(left_out) == []
-    assert h.sched.active == [left_out]
-    assert h.rt.lanes.get(h.session(stream)) is None  # ephemeral lane returned
     h.turn()
-    assert h.rt.sessions_of(2) == ["y"]
+    assert set(h.rt.sessions_of(4)) == {h.session(stream), "y"}
     assert h.result(left_out)["positions"] == [2]
-    assert not h.sched.has_work()
+    h.run()
+    assert h.done(stream)["finish_reason"] == "length"
+
+
+def test_a_failed_batch_is_retried_job_by_job_so_only_the_culprit_fails() -> None:
+    h = Harness(lanes=4, max_batch_tokens=8)
+    stream = h.submit(h.generate(max_tokens=6))
+    h.turn()
+    culprit = h.submit(h.batch({"x": 3}))
+    bystander = h.submit(h.batch({"y": 2}))
+    h.rt.cannot_fit = "x"
+    h.turn()
+    # one forward of all three failed; then each job ran alone
+    assert h.rt.sessions_of(1) == [h.session(stream), "x", "y"]
+    assert h.rt.sessions_of(2) == [h.session(stream)]
+    assert h.rt.sessions_of(3) == ["x"]
+    assert h.rt.sessions_of(4) == ["y"]
+    assert isinstance(h.error(culprit), EngineFault)
+    assert h.result(bystander)["positions"] == [2]
+    h.run()
+    assert h.done(stream)["finish_reason"] == "length"
+    assert h.rt.lanes.get("y") is not None and h.rt.lanes.get("y").position == 2
+
+
+def test_a_job_whose_kv_moved_in_a_failed_batch_fails_with_it() -> None:
+    h = Harness(lanes=3, max_batch_tokens=8)
+    moved = h.submit(h.batch({"m": 2}))
+    culprit = h.submit(h.batch({"x": 3}))
+    h.rt.cannot_fit = "x"
+    h.rt.advance_on_failure = {"m": 2}
+    h.turn()
+    assert isinstance(h.error(moved), EngineFault)  # its progress is the runtime's now
+    assert isinstance(h.error(culprit), EngineFault)
+    assert h.rt.sessions_of(1) == ["x"]  # only the culprit was tried alone
 
 
 def test_sampling_error_of_one_step_fails_only_its_job() -> None:

@@ -241,7 +241,6 @@ def test_ping_is_answered_between_chunks(speech: Client) -> None:
     [
         ({"text": ""}, "empty"),
         ({"text": "   \n"}, "blank"),
-        ({"text": "a" * 5001}, "too long"),
         ({"text": "Hi.", "voice": "nobody"}, "unknown voice"),
         ({"text": "Hi.", "format": "mp3"}, "bad format"),
         ({"text": "Hi.", "speed": 0}, "bad speed"),
@@ -254,6 +253,13 @@ def test_bad_request(speech: Client, args: dict[str, Any], why: str) -> None:
     with pytest.raises(SkiffError) as err:
         speech.call("synthesize", args=args)
     assert err.value.code == "bad_request", why
+
+
+def test_text_over_max_chars_is_limit_exceeded(speech: Client) -> None:
+    with pytest.raises(SkiffError) as err:
+        speech.call("synthesize", args={"text": "a" * 5001})
+    assert err.value.code == "limit_exceeded"
+    assert "5001 characters; the limit is 5000 (--max-chars)" in err.value.message
 
 
 def test_max_seconds_is_limit_exceeded(speech: Client) -> None:

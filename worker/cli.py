@@ -1,4 +1,5 @@
-"""``skiff-worker``: parse flags, load the model, serve until SIGINT/SIGTERM."""
+"""``skiff-worker``: parse flags, load the model, serve until SIGINT/SIGTERM
+(then drain: see ``edge.EdgeServer.drain``)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,12 @@ def edge_config(cfg: config.WorkerConfig) -> EdgeConfig:
     return EdgeConfig(
         bind=cfg.bind,
         max_header_bytes=cfg.max_request_bytes,
-        socket=SocketOptions(max_message_bytes=cfg.max_message_bytes),
+        socket=SocketOptions(
+            max_message_bytes=cfg.max_message_bytes,
+            sndhwm=cfg.send_hwm,
+            curve=config.curve_keys(cfg),
+        ),
+        authorized=cfg.curve_authorized,
     )
 
 
@@ -98,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
         log.info("signal", signal=signal.Signals(signum).name)
-        server.stop()
+        server.drain(cfg.drain_timeout_s)
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edge.logs import LOG_FORMATS
-from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES
+from edge.zap import keys_from_flags
+from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, Curve
+
+from .limits import FIELDS as LIMIT_FIELDS
+from .limits import HELP as LIMIT_HELP
+from .limits import Limits, invalid
+
+_LIMITS = Limits()
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,31 @@ class WorkerConfig:
     next: str = ""  # the next stage's endpoint (a stage without the last layer)
     frame_dtype: str = "f32"  # hidden rows sent to the next stage: f32 (exact) or f16
     chain_credit: int = 2  # forwards a stage keeps in flight down the chain (1 = no pipelining)
+    curve_secret_key: str = ""  # CURVE on (docs/security.md): own secret certificate; "" = plain
+    curve_authorized: str = ""  # directory of the client public certificates allowed in
+    curve_server_key: str = ""  # public certificate of the servers dialled (the next stage)
     metrics_port: int = 0  # Prometheus text on http://metrics_host:PORT/metrics; 0 = off
     metrics_host: str = "0.0.0.0"
+    send_hwm: int = 10_000  # messages queued for one peer before it counts as not reading
+    drain_timeout_s: float = 30.0  # SIGTERM: accepted work gets this long, then is cancelled
+
+    # Limits on what a peer controls (worker/limits.py: one flag each)
+    max_request_tokens: int = _LIMITS.max_request_tokens
+    max_new_tokens: int = _LIMITS.max_new_tokens
+    max_sessions_per_peer: int = _LIMITS.max_sessions_per_peer
+    max_streams_per_peer: int = _LIMITS.max_streams_per_peer
+    max_stops: int = _LIMITS.max_stops
+    max_stop_chars: int = _LIMITS.max_stop_chars
+    max_grammar_bytes: int = _LIMITS.max_grammar_bytes
+    max_logit_bias: int = _LIMITS.max_logit_bias
+    max_messages: int = _LIMITS.max_messages
+    max_frame_parts: int = _LIMITS.max_frame_parts
+    max_frame_rank: int = _LIMITS.max_frame_rank
+
+    @property
+    def limits(self) -> Limits:
+        """The peer limits as flags gave them (0s not yet resolved to a lane's cells)."""
+        return Limits(**{name: getattr(self, name) for name in LIMIT_FIELDS})
 
     @property
     def n_threads(self) -> int:
@@ -98,6 +128,7 @@ _OPTIONS: list[tuple[str, type, str]] = [
         int,
         "largest ZeroMQ frame a peer may send; larger drops its connection (MAXMSGSIZE)",
     ),
+    *((name.replace("_", "-"), int, LIMIT_HELP[name]) for name in LIMIT_FIELDS),
     ("draft-model", str, "GGUF (or 'default') drafting for speculative.mode=draft_model"),
     ("layers", str, "LO:HI: serve only these layers, as one pipeline stage; empty = all"),
     ("next", str, "endpoint of the next stage (every stage but the last has one)"),
@@ -109,6 +140,34 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ),
     ("metrics-port", int, "serve Prometheus metrics on this HTTP port (/metrics); 0 = off"),
     ("metrics-host", str, "address the metrics port binds"),
+    (
+        "send-hwm",
+        int,
+        "messages queued for one peer before it counts as not reading and its work is "
+        "cancelled (a gateway is one peer: keep it high there)",
+    ),
+    (
+        "drain-timeout-s",
+        float,
+        "on SIGTERM/SIGINT refuse new work (shutting_down) and let accepted work finish "
+        "this long, then cancel the rest and exit 0; a second signal cancels at once",
+    ),
+    (
+        "curve-secret-key",
+        str,
+        "CURVE on: this worker's secret certificate (skiff-keys); it encrypts every "
+        "connection and is its identity toward the next stage; empty = plain",
+    ),
+    (
+        "curve-authorized",
+        str,
+        "CURVE: directory of the public certificates (*.key) of the clients allowed in",
+    ),
+    (
+        "curve-server-key",
+        str,
+        "CURVE: public certificate of the next stage (pipeline stages with --next)",
+    ),
     ("log-format", str, "log rendering: auto (console on a TTY, else json), json, console"),
     ("log-level", str, "debug, info, warning, error"),
     ("chat-template", str, "Jinja chat template file for chat; empty = the model's or Gemma-turn"),
@@ -152,6 +211,9 @@ def build_parser(prog: str = "skiff-worker") -> argparse.ArgumentParser:
 def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
     ns = build_parser().parse_args(argv)
     cfg = WorkerConfig(**{k: v for k, v in vars(ns).items()})
+    why = invalid(cfg.limits)
+    if why is not None:
+        raise SystemExit(f"skiff-worker: {why}")
     if (
         cfg.lanes < 1
         or cfg.ctx < cfg.lanes
@@ -162,8 +224,25 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
         raise SystemExit(
             "skiff-worker: lanes, ctx, batch, prefill-chunk and chain-credit must be positive"
         )
+    if cfg.send_hwm < 1:
+        raise SystemExit("skiff-worker: --send-hwm must be positive")
+    if cfg.drain_timeout_s < 0:
+        raise SystemExit("skiff-worker: --drain-timeout-s must be >= 0")
     if not 0 <= cfg.metrics_port <= 65535:
         raise SystemExit("skiff-worker: --metrics-port must be in 0..65535 (0 = off)")
+    curve_keys(cfg)  # every CURVE mistake ends startup here, naming the flag
     if cfg.chat_template and not os.path.isfile(cfg.chat_template):
         raise SystemExit(f"skiff-worker: --chat-template {cfg.chat_template}: no such file")
     return cfg
+
+
+def curve_keys(cfg: WorkerConfig) -> Curve | None:
+    """The worker's CURVE keys (own pair; with ``--next`` the next stage's
+    public key as ``server_key``), or None when CURVE is off."""
+    return keys_from_flags(
+        "skiff-worker",
+        cfg.curve_secret_key,
+        cfg.curve_authorized,
+        cfg.curve_server_key,
+        dials="the next stage (--next)" if cfg.next else "",
+    )

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 from structlog import get_logger
 
-from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
+from faults import Cancelled, DeadlineExceeded, EngineFault, Fault, LanesBusy, QueueFull
 
 from .jobs import MIN_CUT, PHASE_ATOMIC, PHASE_DECODE, Job
+from .peers import PeerLimits
 from .runtime import Flight, RuntimeState, SessionId, Step, StepResult
 from .stats import SchedulerStats
 
@@ -57,6 +58,8 @@ class SchedulerConfig:
     admission_timeout_ms: int = 60_000
     cadence: float = 0.0  # a turn with streams decoding lasts at most this x a decode turn; 0 = off
     chain_credit: int = 2  # a pipeline stage's forwards in flight down the chain at once
+    max_sessions_per_peer: int = 0  # named sessions one peer holds, admitted or queued; 0 = off
+    max_streams_per_peer: int = 0  # generations one peer has queued or running; 0 = off
 
 
 class TurnClock:
@@ -100,14 +103,17 @@ class Scheduler:
         self.clock = TurnClock()
         self.flying: list[_Flying] = []  # a pipeline stage's forwards down the chain
         self._flying_jobs: set[Job] = set()
+        self.peers = PeerLimits(cfg.max_sessions_per_peer, cfg.max_streams_per_peer)
 
     # -- intake ------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        """Queue a job; refuse at once when the wait queue is full.
+        """Queue a job; refuse at once when its peer is at a per-peer limit
+        (``limit_exceeded``) or the wait queue is full.
 
         Jobs that free lanes will take this turn do not count as waiting.
         """
+        self.peers.check(job, self._all_jobs(), self.rt.lanes.sessions)
         if len(self.pending) >= self.cfg.max_queue + self.rt.lanes.free:
             self.stats.rejected += 1
             raise QueueFull(
@@ -128,10 +134,21 @@ class Scheduler:
         return False
 
     def cancel_owner(self, owner: Hashable) -> int:
-        """Cancel every job of one owner (a peer that went away or stopped reading)."""
+        """Cancel every job of one owner (a peer that went away or stopped reading);
+        the sessions it admitted stop counting against it."""
+        self.peers.forget(owner)
         count = 0
         for job in self._all_jobs():
             if job.ticket.owner == owner and not job.cancelled:
+                job.cancelled = True
+                count += 1
+        return count
+
+    def cancel_all(self) -> int:
+        """Cancel every job (a drain's timeout); each ends with its final event."""
+        count = 0
+        for job in self._all_jobs():
+            if not job.cancelled:
                 job.cancelled = True
                 count += 1
         return count
@@ -171,6 +188,9 @@ class Scheduler:
         started = time.perf_counter()
         try:
             results = self.rt.forward(steps)
+        except EngineFault as exc:
+            self._isolate(steps, owners, exc)
+            return
         except Fault as exc:
             _log.error("forward_failed", error=str(exc), jobs=len(owners))
             for job, _ in owners:
@@ -179,6 +199,37 @@ class Scheduler:
         finally:
             self._record(steps, time.perf_counter() - started)
         self._complete(owners, results)
+
+    def _isolate(self, steps: list[Step], owners: list[tuple[Job, int]], exc: EngineFault) -> None:
+        """A forward of several jobs failed in llama.cpp (say, an exhausted KV
+        cache). The jobs whose sessions' KV moved fail (the runtime kept their
+        positions true, but the job's own progress no longer matches); every
+        other job is run again alone, so only the requests that cannot run
+        fail and the others go on as if nothing happened. Cached prefix lanes
+        give their cells back first (they may be why there was no room)."""
+        _log.error("forward_failed", error=str(exc), jobs=len(owners))
+        freed = self.rt.free_cached_kv()
+        if freed:
+            _log.warning("prefix_cache_cleared_for_room", lanes=freed)
+        if len(owners) == 1 and not freed:
+            self._finish(owners[0][0], exc)
+            return
+        offset = 0
+        for job, count in owners:
+            part = steps[offset : offset + count]
+            offset += count
+            if any(str(step.session.id) in exc.advanced for step in part):
+                self._finish(job, exc)
+                continue
+            started = time.perf_counter()
+            try:
+                results = self.rt.forward(part)
+            except Fault as alone:
+                self._finish(job, alone)
+                continue
+            finally:
+                self._record(part, time.perf_counter() - started)
+            self._complete([(job, count)], results)
 
     def _record(self, steps: list[Step], seconds: float) -> None:
         self.stats.record_forward(steps, seconds)
@@ -298,8 +349,9 @@ class Scheduler:
             if blocked.intersection(job.sessions):
                 blocked.update(job.sessions)
                 continue
+            new = self.rt.lanes.missing(job.sessions)
             try:
-                if lanes_reserved and self.rt.lanes.missing(job.sessions):
+                if lanes_reserved and new:
                     raise LanesBusy("every free lane is promised to a generation queued earlier")
                 finished = job.start(self.rt)
             except LanesBusy as exc:
@@ -317,6 +369,7 @@ class Scheduler:
                 job.release(self.rt)
                 continue
             self.pending.remove(job)
+            self.peers.admitted(job, new, self.rt.lanes.sessions)
             self.stats.admitted += 1
             self.stats.record_queue_wait(now - job.ticket.received)
             if finished:

@@ -18,7 +18,8 @@ from typing import Any
 from structlog import get_logger
 
 from edge import Handler, Outgoing, Request, failure_header, logs
-from faults import Fault, Unsupported
+from edge import process as process_stats
+from faults import Fault, Internal, Unsupported
 from protocol import frames
 from protocol.envelope import VERSION, event_reply, ok_reply
 
@@ -68,6 +69,8 @@ class LlmService:
             n_layer=stage.n_layer if stage else None,
         )
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
+        # Every limit on what a peer controls; per-lane ones resolved to cells.
+        self.limits = cfg.limits.resolved(self.rt.ctx_per_lane)
         # A prefill piece is taken whole or waits; keep room for a full row of
         # decodes beside it so a prompt can never wait on running streams.
         self.chunk = max(1, min(cfg.prefill_chunk, cfg.budget - cfg.lanes))
@@ -79,6 +82,8 @@ class LlmService:
                 admission_timeout_ms=cfg.admission_timeout_ms,
                 cadence=cfg.cadence,
                 chain_credit=cfg.chain_credit,
+                max_sessions_per_peer=self.limits.max_sessions_per_peer,
+                max_streams_per_peer=self.limits.max_streams_per_peer,
             ),
         )
         self.outbox = Outbox()
@@ -87,6 +92,7 @@ class LlmService:
             for op, fn in {**HANDLERS, **TENSOR_HANDLERS}.items()
         }
         self.requests = 0
+        self.draining = False  # SIGTERM: finishing accepted work, refusing new
 
     # -- what handlers use ---------------------------------------------------
 
@@ -117,10 +123,29 @@ class LlmService:
     def turn(self) -> list[Outgoing]:
         if self.sched.has_work():
             self.sched.turn()
-        return [render(ticket, output) for ticket, output in self.outbox.take()]
+        return [render_or_fail(ticket, output) for ticket, output in self.outbox.take()]
 
     def peer_lost(self, peer: bytes, reason: str) -> int:
         return self.sched.cancel_owner(peer)
+
+    @property
+    def drain_ops(self) -> frozenset[str]:
+        # A stage past the first serves the head's accepted work: it keeps
+        # answering the chain. Stage 0 and whole-model workers let sessions
+        # be moved away (export_state) or let go (drop).
+        if self.stage is not None and not self.stage.first:
+            return frozenset(_DOWNSTREAM_OPS)
+        return _DRAIN_OPS
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def idle(self) -> bool:
+        return not self.has_work()
+
+    def cancel_all(self, reason: str) -> int:
+        _log.warning("cancel_all", reason=reason)
+        return self.sched.cancel_all()
 
     def housekeeping(self, now: float) -> None:
         """Drop named sessions nobody used for ``session_idle_s`` (gone peers' lanes)."""
@@ -159,6 +184,7 @@ class LlmService:
                 "max_message_bytes": self.cfg.max_message_bytes,
                 "max_request_bytes": self.cfg.max_request_bytes,
                 "max_queue": self.cfg.max_queue,
+                **self.limits.as_dict(),
             },
             "protocol": VERSION,
             **(self.chain_info() or {}),
@@ -187,8 +213,14 @@ class LlmService:
         out["running"] = len(self.sched.active)
         out["queued"] = len(self.sched.pending)
         out["requests"] = self.requests
+        out["draining"] = self.draining
+        out["process"] = process_stats.snapshot()  # RSS, Python objects: leaks vs settling
         return out
 
+
+# Ops a draining worker still serves (besides ping/info/stats/cancel): they
+# move or release sessions it holds, so a gateway can take them elsewhere.
+_DRAIN_OPS = frozenset({"export_state", "drop"})
 
 # Ops a stage that is not the first serves (its peer is the previous stage).
 _DOWNSTREAM_OPS = {
@@ -236,9 +268,16 @@ def _refuse(op: str, stage: StagePlan | None) -> Handler:
 
 
 def to_frame(t: Tensors) -> frames.Frame:
-    """A core ``Tensors`` as a wire frame (no copy of contiguous arrays)."""
+    """A core ``Tensors`` as a wire frame (no copy of contiguous arrays).
+
+    A uint16 array is bf16 bits (numpy has no bfloat16; the wire never
+    carries uint16 otherwise), so ``echo`` sends a bf16 part back as bf16.
+    """
     return frames.make_frame(
-        [(name, array, t.axes.get(name, 0)) for name, array in t.parts.items()],
+        [
+            (name, array, t.axes.get(name, 0), *(("bf16",) if array.dtype == "<u2" else ()))
+            for name, array in t.parts.items()
+        ],
         producer_stage=t.producer_stage,
         layer_start=t.layer_start,
         layer_end=t.layer_end,
@@ -246,6 +285,18 @@ def to_frame(t: Tensors) -> frames.Frame:
         sequence_count=t.sequence_count,
         token_count=t.token_count,
     )
+
+
+def render_or_fail(ticket: Ticket, output: Output) -> Outgoing:
+    """``render``, or the request's ``internal`` error when its output cannot
+    be rendered: one bad output must not take the turn's other replies with it."""
+    try:
+        return render(ticket, output)
+    except Exception as exc:
+        _log.exception("render_failed", op=ticket.op)
+        assert isinstance(ticket.owner, bytes)
+        error = Internal(f"the reply could not be rendered: {type(exc).__name__}: {exc}")
+        return Outgoing(ticket.owner, failure_header(ticket.id, error, ticket.op))
 
 
 def render(ticket: Ticket, output: Output) -> Outgoing:

@@ -165,6 +165,15 @@ class LanePool:
             self._free.append(session.lane)
         return session
 
+    def evict_cached(self) -> int:
+        """Stop caching every idle lane (their cells are wanted); they join ``evicted``."""
+        count = len(self._cached)
+        while self._cached:
+            lane, _ = self._cached.popitem(last=False)
+            self.evicted.append(lane)
+            self._free.append(lane)
+        return count
+
     def take_evicted(self) -> list[int]:
         lanes, self.evicted = self.evicted, []
         return lanes

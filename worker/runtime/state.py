@@ -173,6 +173,14 @@ class RuntimeState:
             self.engine.seq_clear(lane)
             self.prefix.evictions += 1
 
+    def free_cached_kv(self) -> int:
+        """Clear every prefix-cache lane's cells; how many lanes. Called when
+        llama.cpp found no KV slot: in a unified cache idle cached lanes hold
+        cells that live sessions need."""
+        count = self.lanes.evict_cached()
+        self._clear_evicted()
+        return count
+
     def drop(self, session_id: SessionId) -> None:
         """End a session. Its lane keeps its KV for the prefix cache when the
         session's tokens provably match the engine's cells; otherwise it is cleared."""

@@ -20,6 +20,7 @@ import zmq
 from edge import EdgeConfig, EdgeServer, logs
 from edge import metrics as edge_metrics
 from edge.memory import reexec_with_tunables
+from edge.zap import keys_from_flags
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, SocketOptions
 
 from . import DEFAULT_BIND
@@ -146,6 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
         "SKIFF_METRICS_HOST; default %(default)s)",
     )
     parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=float(_env("DRAIN_TIMEOUT_S", os.environ.get("SKIFF_DRAIN_TIMEOUT_S", "30"))),
+        help="on SIGTERM/SIGINT refuse new work (shutting_down) and let accepted work finish "
+        "this long, then cancel the rest and exit 0; a second signal cancels at once "
+        "(env SKIFF_SPEECH_DRAIN_TIMEOUT_S, else SKIFF_DRAIN_TIMEOUT_S; default %(default)s)",
+    )
+    for flag, text in (
+        ("curve-secret-key", "CURVE on: this worker's secret certificate; empty = plain"),
+        ("curve-authorized", "CURVE: directory of the client public certificates (*.key) let in"),
+    ):
+        name = flag.upper().replace("-", "_")
+        parser.add_argument(
+            f"--{flag}",
+            default=_env(name, os.environ.get(f"SKIFF_{name}", "")),
+            help=f"{text} (env {ENV_PREFIX}{name}, else SKIFF_{name})",
+        )
+    parser.add_argument(
         "--log-format",
         choices=logs.LOG_FORMATS,
         default=_env("LOG_FORMAT", "auto"),
@@ -173,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reexec_with_tunables()
     parser = build_parser()
     args = parser.parse_args(argv)
+    curve = keys_from_flags("skiff-speech", args.curve_secret_key, args.curve_authorized)
     logs.configure(args.log_format, args.log_level)
     log = logs.get_logger("skiff.speech")
 
@@ -191,8 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     edge_cfg = EdgeConfig(
         bind=args.bind,
         max_header_bytes=service.max_header_bytes,
-        socket=SocketOptions(max_message_bytes=args.max_message_bytes, sndhwm=args.send_hwm),
+        socket=SocketOptions(
+            max_message_bytes=args.max_message_bytes, sndhwm=args.send_hwm, curve=curve
+        ),
         drain_max=1000,  # requests read per pass, so a flood cannot starve synthesis
+        authorized=args.curve_authorized,
     )
     registry = edge_metrics.new_registry() if args.metrics_port else None
     metrics = speech_metrics(registry, service) if registry is not None else None
@@ -211,14 +234,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
 
     def _stop(signum: int, frame: FrameType | None) -> None:
-        server.stop()
+        log.info("signal", signal=signal.Signals(signum).name)
+        server.drain(args.drain_timeout_s)
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     log.info("speech worker ready", endpoint=server.endpoint, voices=list(engine.voices))
     try:
         server.serve_forever()
-        server.deliver(service.shutdown())
+        server.deliver(service.shutdown())  # after a stop() without a drain: nothing lost silently
     finally:
         if exporter is not None:
             exporter.close()

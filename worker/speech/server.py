@@ -34,6 +34,7 @@ from typing import Any
 from structlog import get_logger
 
 from edge import Handler, Outgoing, Request, failure_header, logs
+from edge import process as process_stats
 from faults import BadRequest, Cancelled, Fault, LimitExceeded, QueueFull
 from protocol.envelope import Op, event_reply, ok_reply
 
@@ -102,6 +103,7 @@ class SpeechService:
         self.jobs: dict[tuple[bytes, int], Job] = {}
         self.counters = Counters()
         self.started = time.monotonic()
+        self.draining = False  # SIGTERM: finishing accepted work, refusing new
         self.ms_per_char = 5.0  # EWMA of synthesis cost, for retry_after_ms
         self._out: list[Outgoing] = []
         table: dict[str, Handler] = {
@@ -135,7 +137,7 @@ class SpeechService:
         return self._handlers
 
     def has_work(self) -> bool:
-        return self.current is not None or bool(self.queue)
+        return self.current is not None or bool(self.queue) or bool(self._out)
 
     def turn(self) -> list[Outgoing]:
         """End cancelled queued jobs, then synthesize at most one chunk."""
@@ -158,12 +160,27 @@ class SpeechService:
     def housekeeping(self, now: float) -> None:
         return None
 
-    def shutdown(self) -> list[Outgoing]:
-        """End queued and running jobs as ``cancelled``; the replies to send."""
+    @property
+    def drain_ops(self) -> frozenset[str]:
+        return frozenset()
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def idle(self) -> bool:
+        return not self.has_work()
+
+    def cancel_all(self, reason: str) -> int:
+        """End queued and running jobs as ``cancelled``; the next turn sends the replies."""
         pending = ([self.current] if self.current else []) + list(self.queue)
         self.queue.clear()
         for job in pending:
-            self._end(job, Cancelled("worker shutting down"))
+            self._end(job, Cancelled(reason))
+        return len(pending)
+
+    def shutdown(self) -> list[Outgoing]:
+        """End queued and running jobs as ``cancelled``; the replies to send."""
+        self.cancel_all("worker shutting down")
         out, self._out = self._out, []
         return out
 
@@ -202,6 +219,8 @@ class SpeechService:
             "synth_seconds": round(c.synth_seconds, 3),
             "rtf": round(c.synth_seconds / c.audio_seconds, 4) if c.audio_seconds else None,
             "uptime_s": round(time.monotonic() - self.started, 3),
+            "draining": self.draining,
+            "process": process_stats.snapshot(),  # RSS, Python objects (edge/process.py)
         }
 
     def _cancel(self, req: Request) -> dict[str, Any]:
@@ -227,7 +246,8 @@ class SpeechService:
         return None
 
     def _validate(self, req: Request) -> Job:
-        """Check synthesize args at the edge; every failure is ``bad_request``."""
+        """Check synthesize args at the edge: ``bad_request`` naming the field,
+        ``limit_exceeded`` for text over ``--max-chars``."""
         args = req.args
         req_id = req.id
         unknown = sorted(repr(k)[:64] for k in args if k not in _SYNTH_ARGS)
@@ -236,8 +256,10 @@ class SpeechService:
         text = args.get("text")
         if not isinstance(text, str) or not text.strip():
             raise BadRequest("text must be a non-empty string")
-        if len(text) > self.max_chars:
-            raise BadRequest(f"text is {len(text)} chars; the limit is {self.max_chars}")
+        if len(text) > self.max_chars:  # a configured limit, not a malformed request
+            raise LimitExceeded(
+                f"text has {len(text)} characters; the limit is {self.max_chars} (--max-chars)"
+            )
         voice = args.get("voice", self.engine.default_voice)
         if not isinstance(voice, str) or voice not in self.engine.voices:
             raise BadRequest(f"unknown voice; known: {list(self.engine.voices)}")
