@@ -1,6 +1,7 @@
 """skiff wire protocol: envelope, codec, tensor frames and clients."""
 
-from .client import AsyncClient, Client, Reply, SkiffError
+from .async_client import AsyncClient
+from .client import Client, Reply, SkiffError
 from .envelope import VERSION, ErrorCode, Op
 
 __all__ = ["VERSION", "AsyncClient", "Client", "ErrorCode", "Op", "Reply", "SkiffError"]

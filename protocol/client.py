@@ -1,4 +1,5 @@
-"""Clients for skiff workers: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+"""Clients for skiff workers: ``Client`` (blocking) here, ``AsyncClient``
+(asyncio) in ``protocol/async_client.py``.
 
 Both speak over one DEALER socket and may have many requests in flight:
 replies are matched to requests by id, so a gateway can stream a generation
@@ -8,11 +9,10 @@ and send ``cancel`` on the same connection. The per-op methods live in
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -398,136 +398,3 @@ class Client(_Ops):
         position = int(to.import_state(session, reply))
         self.drop(session)
         return position
-
-
-class AsyncClient(_Ops):
-    """asyncio client; many coroutines may share one instance. ``curve`` as for ``Client``."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        timeout_ms: int = 120_000,
-        context: zmq.asyncio.Context | None = None,
-        options: sockets.SocketOptions | None = None,
-        monitor: bool = False,
-        curve: sockets.Curve | None = None,
-    ) -> None:
-        self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = sockets.dealer(self._ctx, endpoint, _options(options, curve), connect=False)
-        # With ``monitor``, connect / disconnect events arrive on ``self.monitor``
-        # (set up before connecting, so the first connection is not missed).
-        self.monitor: zmq.asyncio.Socket | None = None
-        if monitor:
-            self.monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-            )
-        self._sock.connect(endpoint)
-        self.timeout_ms = timeout_ms
-        self._ids = itertools.count(1)
-        self._queues: dict[int, asyncio.Queue[Reply]] = {}
-        self._reader: asyncio.Task[None] | None = None
-
-    async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        if self.monitor is not None:
-            self._sock.disable_monitor()
-            self.monitor.close(linger=0)
-        self._sock.close(linger=0)
-
-    def forget(self, req_id: int) -> None:
-        """Stop routing replies of ``req_id`` (after ``send``: once its last
-        reply came, or it was cancelled), so its queue can go."""
-        self._queues.pop(req_id, None)
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _read_loop(self) -> None:
-        while True:
-            reply = _parse(await self._sock.recv_multipart(copy=False))
-            rid = reply.header.get("id")
-            queue = self._queues.get(rid) if isinstance(rid, int) else None
-            if queue is not None:
-                queue.put_nowait(reply)
-
-    def send(
-        self,
-        op: str,
-        session: str | None = None,
-        args: dict[str, Any] | None = None,
-        buffers: Sequence[Any] = (),
-        deadline_ms: int | None = None,
-    ) -> tuple[int, asyncio.Queue[Reply]]:
-        """Queue a request; returns its id and the queue its replies land in."""
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
-        req_id = next(self._ids)
-        queue: asyncio.Queue[Reply] = asyncio.Queue()
-        self._queues[req_id] = queue
-        header = envelope.request(req_id, op, session, args, deadline_ms)
-        self._sock.send_multipart(_frames(header, buffers), copy=False)
-        return req_id, queue
-
-    async def _next(self, queue: asyncio.Queue[Reply]) -> Reply:
-        try:
-            return await asyncio.wait_for(queue.get(), self.timeout_ms / 1000)
-        except TimeoutError as exc:
-            raise SkiffError("timeout", f"no reply within {self.timeout_ms} ms") from exc
-
-    async def call(
-        self,
-        op: str,
-        session: str | None = None,
-        args: dict[str, Any] | None = None,
-        buffers: Sequence[Any] = (),
-        deadline_ms: int | None = None,
-    ) -> Reply:
-        req_id, queue = self.send(op, session, args, buffers, deadline_ms)
-        try:
-            return (await self._next(queue)).raise_for_error()
-        finally:
-            self._queues.pop(req_id, None)
-
-    async def stream(
-        self,
-        op: str,
-        session: str | None = None,
-        args: dict[str, Any] | None = None,
-        deadline_ms: int | None = None,
-    ) -> AsyncIterator[Reply]:
-        req_id, queue = self.send(op, session, args, deadline_ms=deadline_ms)
-        try:
-            while True:
-                reply = (await self._next(queue)).raise_for_error()
-                yield reply
-                if reply.done:
-                    return
-        finally:
-            self._queues.pop(req_id, None)
-
-    def generate(self, args: dict[str, Any], session: str | None = None) -> AsyncIterator[Reply]:
-        return self.stream("generate", session, {**args, "stream": True})
-
-    async def _ainvoke(
-        self,
-        op: str,
-        session: str | None,
-        args: dict[str, Any] | None,
-        extract: Extract,
-        buffers: Sequence[Any] = (),
-    ) -> Any:
-        return extract(await self.call(op, session, args, buffers))
-
-    def _invoke(
-        self,
-        op: str,
-        session: str | None,
-        args: dict[str, Any] | None,
-        extract: Extract,
-        buffers: Sequence[Any] = (),
-    ) -> Any:
-        return self._ainvoke(op, session, args, extract, buffers)
