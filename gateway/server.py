@@ -48,10 +48,11 @@ from .config import GatewayConfig
 from .drain import Drainer
 from .ledger import Inflight, Ledger
 from .metrics import GatewayMetrics
-from .ops import PROMPT_OPS, SPEECH_OPS, UNPLACED_OPS, OpTable, sessions_of
-from .pool import LLM, NOBLOCK, SPEECH, Pool, WorkerConn
+from .ops import SPEECH_OPS, OpTable, sessions_of
+from .placement import Placer
+from .pool import LLM, NOBLOCK, Pool, WorkerConn
 from .relay import Relay
-from .router import PrefixIndex, Router, prompt_blocks
+from .router import PrefixIndex, Router
 from .views import gateway_info, gateway_stats, gateway_status
 
 _log = logs.get_logger("skiff.gateway")
@@ -97,6 +98,7 @@ class GatewayService:
             index=PrefixIndex(cfg.prefix_index_blocks),
         )
         self.affinity = AffinityTable()
+        self.placer = Placer(self.pool, self.affinity, self.router)
         self.ledger = Ledger(self.affinity)
         self.held: dict[str, list[Request]] = {}  # sessions being moved -> waiting requests
         self.drainer = Drainer(self)
@@ -285,7 +287,7 @@ class GatewayService:
                 retry_after_ms=100,
             )
         if req.op in SPEECH_OPS:
-            self._dispatch(req, self._speech_worker(), (), placed=False)
+            self._dispatch(req, self.placer.speech_worker(), (), placed=False)
             return None
         sessions = sessions_of(req)
         for s in sessions:
@@ -302,7 +304,7 @@ class GatewayService:
                     f"session {s!r} was on worker {lost}, which went down: its state is "
                     "lost; drop it to start a new session of that name"
                 )
-        worker, placed, chosen = self._place(req, sessions)
+        worker, placed, chosen = self.placer.place(req, sessions)
         try:
             self._dispatch(req, worker, sessions, placed)
         except _NotSent:
@@ -311,55 +313,9 @@ class GatewayService:
             self.pool.monitor_events(worker, time.monotonic())
             if not chosen:
                 raise
-            worker, placed, _ = self._place(req, sessions, exclude=worker)
+            worker, placed, _ = self.placer.place(req, sessions, exclude=worker)
             self._dispatch(req, worker, sessions, placed)
         return None
-
-    def _place(
-        self, req: Request, sessions: tuple[str, ...], exclude: WorkerConn | None = None
-    ) -> tuple[WorkerConn, bool, bool]:
-        """The worker for ``req``, whether new placements were made, and
-        whether the policy chose it (rather than the sessions' affinity)."""
-        known = {w for s in sessions if (w := self.affinity.worker_of(s)) is not None}
-        if len(known) > 1:
-            raise BadRequest(
-                f"the sessions of this {req.op} live on different workers; "
-                "a batch must name sessions of one worker"
-            )
-        chosen = not known
-        if known:
-            worker = self.pool.workers[known.pop()]
-            if not worker.up:
-                raise WorkerUnavailable(f"worker {worker.name} holding the session is down")
-        else:
-            worker = self._choose(req, exclude)
-        new = [s for s in sessions if self.affinity.worker_of(s) is None]
-        if not new or req.op in UNPLACED_OPS:
-            return worker, False, chosen
-        now = time.monotonic()
-        for s in new:
-            self.affinity.assign(s, worker.name, now)
-        worker.lanes_taken += len(new)
-        return worker, True, chosen
-
-    def _choose(self, req: Request, exclude: WorkerConn | None = None) -> WorkerConn:
-        """New work: the routing policy over eligible LLM workers."""
-        candidates = [
-            w.candidate()
-            for w in self.pool.workers.values()
-            if w.kind == LLM and w.eligible and w is not exclude
-        ]
-        blocks = prompt_blocks(req.args) if req.op in PROMPT_OPS else ()
-        name = self.router.choose(candidates, blocks)
-        if name is None:
-            raise WorkerUnavailable("no LLM worker is up")
-        return self.pool.workers[name]
-
-    def _speech_worker(self) -> WorkerConn:
-        up = [w for w in self.pool.workers.values() if w.kind == SPEECH and w.eligible]
-        if not up:
-            raise WorkerUnavailable("no speech worker is up")
-        return min(up, key=lambda w: (len(w.inflight), w.name))
 
     def _dispatch(
         self, req: Request, w: WorkerConn, sessions: tuple[str, ...], placed: bool
