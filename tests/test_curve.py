@@ -270,8 +270,7 @@ def test_gateway_front_and_worker_links_use_curve(
 
 def test_two_stage_chain_over_curve(workers: tuple[Proc, Proc], keys: Keys, tmp_path: Path) -> None:
     """Each stage has its own pair; stage 1 lets in only stage 0, stage 0
-    lets in the clients. (Every stage start parses the GGUF's metadata,
-    ~13 s of CPU here, so one two-stage chain is all this module affords.)"""
+    lets in the clients."""
     for name in ("stage0", "stage1"):
         create(keys.root, name)
     allow = tmp_path / "allow-stage1"
