@@ -100,10 +100,13 @@ def h_stats(app: App, req: Request) -> dict[str, Any] | None:
 
 def h_tokenize(app: App, req: Request) -> dict[str, Any] | None:
     args = req.args
-    text = get_str(args, "text")
-    tokens = app.engine.tokenize(
-        text, get_bool(args, "add_special", True), get_bool(args, "parse_special", False)
-    )
+    parse_special = get_bool(args, "parse_special", False)
+    # llama.cpp's special-token parsing is quadratic in the specials it finds
+    # (measured: 1 MiB of "<start_of_turn>", 10 s with the loop blocked), so
+    # such text is held to what a prompt may be; plain text to 1 MiB (linear).
+    limit = app.rt.ctx_per_lane * 64 if parse_special else 1 << 20
+    text = get_str(args, "text", max_len=limit)
+    tokens = app.engine.tokenize(text, get_bool(args, "add_special", True), parse_special)
     return {"tokens": tokens}
 
 

@@ -113,6 +113,9 @@ class ImportStateJob(Job):
 
     def start(self, rt: RuntimeState) -> bool:
         downstream = self.meta.get("downstream") or []
+        if not isinstance(downstream, list) or not all(isinstance(m, dict) for m in downstream):
+            # a peer's value: anything else failed deep in the link as ``internal``
+            raise BadRequest("session_state.downstream must be a list of session states (maps)")
         if (rt.tail is not None) != bool(downstream) or len(downstream) != len(self.below):
             raise BadRequest(
                 "session_state.downstream must hold one state per stage below this one "

@@ -31,6 +31,7 @@ grammar, mirostat). Prompt tokens are not, unless the caller feeds them with
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
 import re
@@ -60,9 +61,57 @@ def greedy_token(engine: Engine, batch_row: int) -> int:
 # -- grammars -----------------------------------------------------------------
 
 
+# llama-cpp-python's converter writes repetitions out: ``minItems: n`` (and
+# maxItems, min/maxLength, a pattern's ``{n,m}``) becomes n copies of the item
+# rule. Each copy is at most about the schema's length (a rule name built from
+# its keys, or a literal from a pattern), so the grammar is bounded by the sum
+# of the counts times the schema's length; past this many characters it is
+# refused. (Measured: ``{"type": "array", "minItems": 1e9}``, 60 bytes, made
+# the converter allocate 24 GB and the worker was OOM-killed.)
+MAX_SCHEMA_EXPANSION = 1 << 22
+_COUNT_KEYS = frozenset(
+    {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"}
+)
+_QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _repetitions(schema: Any) -> int:
+    """The sum of every count the converter would write out (iterative walk)."""
+    total, stack = 0, [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                if key in _COUNT_KEYS and isinstance(value, int | float):
+                    total += int(max(value, 0)) if abs(value) < 1 << 62 else 1 << 62
+                elif key == "pattern" and isinstance(value, str):
+                    for numbers in _QUANTIFIER.findall(value):
+                        total += max(_count(n) for n in numbers)
+                else:
+                    stack.append(value)
+    return total
+
+
+def _count(digits: str) -> int:
+    """A quantifier's number; one too long to read counts as too many."""
+    return int(digits or 0) if len(digits) <= 18 else 1 << 62
+
+
 @lru_cache(maxsize=64)
 def schema_to_grammar(schema_json: str) -> str:
-    """GBNF for a JSON schema (JSON text); ``SamplerError`` when unsupported."""
+    """GBNF for a JSON schema (JSON text); ``SamplerError`` when unsupported
+    or when its repetitions would write out more than ``MAX_SCHEMA_EXPANSION``."""
+    try:
+        count = _repetitions(json.loads(schema_json))
+    except ValueError as exc:
+        raise SamplerError(f"the JSON schema is not JSON: {exc}") from exc
+    if count * (len(schema_json) + 16) > MAX_SCHEMA_EXPANSION:
+        raise SamplerError(
+            f"the JSON schema's repetition counts (minItems, maxLength, pattern "
+            f"{{n,m}}, ...) add up to {count}: its grammar would be too large"
+        )
     try:
         return str(json_schema_to_gbnf(schema_json))
     except Exception as exc:  # the converter raises bare Exceptions
@@ -70,6 +119,21 @@ def schema_to_grammar(schema_json: str) -> str:
 
 
 _PARSE_ERROR = re.compile(r"error parsing grammar: (.*)")
+# llama.cpp parses ( ) groups recursively on the caller's stack: measured on
+# the 8 MiB main thread, 10,000 nested groups parse and 20,000 segfault the
+# process (a 40 KB grammar). Deeper than this is refused before llama.cpp sees it.
+MAX_GRAMMAR_NESTING = 4096
+_NOT_GROUPS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\r\n]*')
+
+
+def grammar_nesting(text: str) -> int:
+    """The deepest nesting of ( ) groups in GBNF text (literals, character
+    classes and comments left out)."""
+    depth = deepest = 0
+    for paren in re.findall(r"[()]", _NOT_GROUPS.sub("", text)):
+        depth += 1 if paren == "(" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _init_grammar(vocab: Any, text: str) -> tuple[Any, str]:
@@ -79,6 +143,8 @@ def _init_grammar(vocab: Any, text: str) -> tuple[Any, str]:
     temporary file for the call so the reason reaches the client instead of
     the worker's log.
     """
+    if grammar_nesting(text) > MAX_GRAMMAR_NESTING:
+        return None, f"groups nest deeper than {MAX_GRAMMAR_NESTING} levels"
     with tempfile.TemporaryFile() as tmp:
         saved = os.dup(2)
         try:
