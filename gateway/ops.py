@@ -23,6 +23,7 @@ WORK_OPS = frozenset(
         "chat",
         "prefill",
         "prefill_sampled",
+        "prefill_media",
         "decode",
         "decode_batch",
         "iteration_batch",

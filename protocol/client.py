@@ -186,6 +186,27 @@ class _Ops:
             args["sampling"] = sampling
         return self._invoke("prefill_sampled", session, args, _result)
 
+    def prefill_media(
+        self,
+        session: str,
+        prompt: str,
+        media: Sequence[Any],
+        sampling: dict[str, Any] | None = None,
+        output: Sequence[str] | None = None,
+        **args: Any,
+    ) -> Any:
+        """A prompt with one marker (``info.media.marker``) per item of
+        ``media``: encoded PNG / JPEG bytes each, sent as buffers. The result
+        map; with ``output`` the ``Reply`` (its ``frame``)."""
+        items = [{"buffer": i} for i in range(len(media))]
+        args = {**args, "prompt": prompt, "media": items}
+        if sampling is not None:
+            args["sampling"] = sampling
+        if output:
+            args["output"] = list(output)
+        extract = _keep_reply if output else _result
+        return self._invoke("prefill_media", session, args, extract, list(media))
+
     def decode(
         self,
         session: str,
@@ -362,9 +383,10 @@ class Client(_Ops):
         session: str | None = None,
         args: dict[str, Any] | None = None,
         deadline_ms: int | None = None,
+        buffers: Sequence[Any] = (),
     ) -> Iterator[Reply]:
         """Yield every reply of a streaming request until the one with ``done``."""
-        req_id = self.send(op, session, args, deadline_ms=deadline_ms)
+        req_id = self.send(op, session, args, buffers, deadline_ms)
         yield from self.follow(req_id)
 
     def follow(self, req_id: int) -> Iterator[Reply]:

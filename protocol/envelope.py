@@ -27,6 +27,7 @@ class Op(StrEnum):
     DETOKENIZE = "detokenize"
     PREFILL = "prefill"
     PREFILL_SAMPLED = "prefill_sampled"
+    PREFILL_MEDIA = "prefill_media"
     DECODE = "decode"
     DECODE_BATCH = "decode_batch"
     ITERATION_BATCH = "iteration_batch"

@@ -24,6 +24,8 @@ CORE = (
     "worker.limits",
     "worker.jobs",
     "worker.generate",
+    "worker.media_feed",
+    "worker.media_jobs",
     "worker.ticket",
     "worker.speculative",
     "worker.spec",

@@ -17,6 +17,7 @@ from protocol.sockets import SocketOptions
 
 from . import config
 from .engine import Engine, EngineConfig
+from .engine.media import Projector
 from .metrics import WorkerMetrics
 from .models import resolve_model
 from .runtime import DraftRuntime
@@ -52,6 +53,33 @@ def build_engine(
     )
 
 
+# The startup check's image size. Gemma 3 resizes every image to its input
+# size, so the token count is the same for any size there.
+_PROBE_SIDE = 896
+
+
+def load_projector(cfg: config.WorkerConfig, engine: Engine) -> Projector:
+    """``--mmproj`` beside the model, refused at startup when it could not serve:
+    an image decoded non-causally must fit one micro-batch (llama.cpp aborts
+    the process otherwise), and M-RoPE positions are not modelled here."""
+    projector = Projector.load(cfg.mmproj, engine, n_threads=cfg.n_threads)
+    try:
+        if projector.mrope:
+            raise ValueError("--mmproj: M-RoPE projectors (Qwen2-VL style) are not supported")
+        if projector.image and projector.non_causal:
+            tokens = projector.image_tokens(_PROBE_SIDE, _PROBE_SIDE)
+            if tokens > engine.n_ubatch:
+                raise ValueError(
+                    f"--mmproj: an image is {tokens} tokens, decoded in one micro-batch, "
+                    f"but the micro-batch is {engine.n_ubatch}: use --ubatch and --batch "
+                    f">= {tokens}"
+                )
+    except BaseException:
+        projector.close()
+        raise
+    return projector
+
+
 def edge_config(cfg: config.WorkerConfig) -> EdgeConfig:
     """The edge's settings from the worker's flags."""
     return EdgeConfig(
@@ -82,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(cfg.log_format, cfg.log_level)
     log = logs.get_logger("skiff.cli")
     draft: DraftModel | None = None
+    projector: Projector | None = None
     exporter: edge_metrics.Exporter | None = None
     try:
         stage = plan_stage(cfg)
@@ -91,7 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError("--draft-model is not supported on a pipeline stage")
             path = str(resolve_model(cfg.draft_model))
             draft = DraftModel(DraftRuntime(build_engine(cfg, cfg.draft_model), path))
-        service = LlmService(cfg, engine, draft=draft, stage=stage)
+        if cfg.mmproj:
+            if stage is not None:
+                raise ValueError("--mmproj is not supported on a pipeline stage")
+            projector = load_projector(cfg, engine)
+        service = LlmService(cfg, engine, draft=draft, stage=stage, projector=projector)
         metrics: WorkerMetrics | None = None
         if cfg.metrics_port:
             metrics = WorkerMetrics(edge_metrics.new_registry(), service)
@@ -114,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lanes=service.rt.lanes.n_lanes,
         n_ctx=engine.n_ctx,
         model=engine.cfg.model_path,
+        mmproj=projector.path if projector else None,
         metrics_port=exporter.port if exporter else None,
     )
     try:
@@ -122,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exporter is not None:
             exporter.close()
         server.close()
+        if projector is not None:
+            projector.close()  # it points into the model: before the engine
         engine.close()
         if draft is not None:
             draft.runtime.close()

@@ -58,6 +58,8 @@ class WorkerConfig:
     metrics_host: str = "0.0.0.0"
     send_hwm: int = 10_000  # messages queued for one peer before it counts as not reading
     drain_timeout_s: float = 30.0  # SIGTERM: accepted work gets this long, then is cancelled
+    mmproj: str = ""  # multimodal projector GGUF beside the model (docs/media.md); "" = text only
+    max_image_pixels: int = 1 << 24  # width x height of one image, checked from its header
 
     # Limits on what a peer controls (worker/limits.py: one flag each)
     max_request_tokens: int = _LIMITS.max_request_tokens
@@ -130,6 +132,18 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ),
     *((name.replace("_", "-"), int, LIMIT_HELP[name]) for name in LIMIT_FIELDS),
     ("draft-model", str, "GGUF (or 'default') drafting for speculative.mode=draft_model"),
+    (
+        "mmproj",
+        str,
+        "multimodal projector GGUF (the model's mmproj) for prefill_media and media in "
+        "generate/chat; empty = text only",
+    ),
+    (
+        "max-image-pixels",
+        int,
+        "largest image (width x height) a request may send; checked from the PNG/JPEG "
+        "header before decoding",
+    ),
     ("layers", str, "LO:HI: serve only these layers, as one pipeline stage; empty = all"),
     ("next", str, "endpoint of the next stage (every stage but the last has one)"),
     ("frame-dtype", str, "hidden rows to the next stage: f32 (exact) or f16 (half the bytes)"),
@@ -231,6 +245,10 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
     if not 0 <= cfg.metrics_port <= 65535:
         raise SystemExit("skiff-worker: --metrics-port must be in 0..65535 (0 = off)")
     curve_keys(cfg)  # every CURVE mistake ends startup here, naming the flag
+    if cfg.mmproj and not os.path.isfile(cfg.mmproj):
+        raise SystemExit(f"skiff-worker: --mmproj {cfg.mmproj}: no such file")
+    if cfg.max_image_pixels < 1:
+        raise SystemExit("skiff-worker: --max-image-pixels must be positive")
     if cfg.chat_template and not os.path.isfile(cfg.chat_template):
         raise SystemExit(f"skiff-worker: --chat-template {cfg.chat_template}: no such file")
     return cfg

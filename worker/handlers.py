@@ -25,6 +25,7 @@ from protocol.envelope import Op
 from .chat import ChatTemplate
 from .config import WorkerConfig
 from .engine import Engine
+from .engine.media import Projector
 from .generate import ChatJob, GenerateJob
 from .jobs import (
     AtomicBatchJob,
@@ -73,6 +74,7 @@ class App(Protocol):
     draft: DraftModel | None
     chunk: int
     limits: Limits  # resolved: per-lane limits are numbers of cells
+    projector: Projector | None  # --mmproj (media_handlers.py); None: text only
 
     def ticket(self, req: Request) -> Ticket: ...
 
@@ -318,7 +320,7 @@ def _generate_session(req: Request) -> tuple[SessionId, bool]:
     return Ephemeral(next(_ephemeral_ids)), False
 
 
-def _generate_job(
+def generate_job(
     app: App,
     req: Request,
     prompt: str | list[int],
@@ -365,7 +367,7 @@ def _generate_job(
     )
 
 
-def _prompt_chars(app: App, args: dict[str, Any]) -> str:
+def prompt_chars(app: App, args: dict[str, Any]) -> str:
     """A text prompt; one so long no tokenization could fit a session overflows
     (its tokens are held to ``--max-request-tokens`` when the job starts)."""
     limit = app.rt.ctx_per_lane * 64
@@ -383,8 +385,8 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
     has_prompt, has_tokens = "prompt" in args, "tokens" in args
     if has_prompt == has_tokens:
         raise BadRequest("give exactly one of prompt or tokens")
-    prompt: str | list[int] = _prompt_chars(app, args) if has_prompt else _tokens(app, args)
-    app.submit(_generate_job(app, req, prompt))
+    prompt: str | list[int] = prompt_chars(app, args) if has_prompt else _tokens(app, args)
+    app.submit(generate_job(app, req, prompt))
     return None
 
 
@@ -402,7 +404,7 @@ def h_chat(app: App, req: Request) -> dict[str, Any] | None:
         check(len(tokens), most, "max_request_tokens", "messages render to {n} tokens")
     end = [template.end_of_turn] if template.end_of_turn else []
     make = functools.partial(ChatJob, closer=template.closer_tokens, bos=template.bos)
-    app.submit(_generate_job(app, req, tokens, make, template.stop_tokens, end))
+    app.submit(generate_job(app, req, tokens, make, template.stop_tokens, end))
     return None
 
 

@@ -58,6 +58,12 @@ class Job:
         """Tokens this job wants in the next forward (atomic jobs only)."""
         return 0
 
+    def wants_exclusive(self) -> bool:
+        """True when the next ``plan`` must be the only work of its forward
+        (media decoded with non-causal attention): the scheduler gives the
+        job a turn of its own."""
+        return False
+
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
         return []
 

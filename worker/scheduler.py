@@ -11,6 +11,12 @@ then build one batch under the token budget:
 3. prefill pieces, round-robin across jobs, so a long prompt never holds
    running streams for more than one piece.
 
+A job whose next step must run alone (``Job.wants_exclusive``: an image
+decoded with non-causal attention, which llama.cpp applies to the whole
+micro-batch) gets a turn of its own instead: its steps are the forward and
+everything else waits one turn. The turn after one is ordinary whenever
+other work is ready, so media never takes more than every other turn.
+
 Turns are budgeted by time as well as tokens. The scheduler learns what a
 decode-only turn costs and what one prefill token adds (moving averages of
 measured forwards). While streams are decoding, prefill gets only the tokens
@@ -104,6 +110,7 @@ class Scheduler:
         self.flying: list[_Flying] = []  # a pipeline stage's forwards down the chain
         self._flying_jobs: set[Job] = set()
         self.peers = PeerLimits(cfg.max_sessions_per_peer, cfg.max_streams_per_peer)
+        self._exclusive_last = False  # the last turn was one job's alone
 
     # -- intake ------------------------------------------------------------
 
@@ -193,6 +200,11 @@ class Scheduler:
             return
         except Fault as exc:
             _log.error("forward_failed", error=str(exc), jobs=len(owners))
+            for job, _ in owners:
+                self._finish(job, exc)
+            return
+        except Exception as exc:  # a bug: fail its jobs (``internal``), never re-run them
+            _log.exception("forward_crashed", jobs=len(owners))  # (they re-ran every turn)
             for job, _ in owners:
                 self._finish(job, exc)
             return
@@ -362,6 +374,7 @@ class Scheduler:
                 self.pending.remove(job)
                 self.stats.rejected += 1
                 job.fail(self.rt, exc)
+                job.release(self.rt)  # every way out of the scheduler releases
                 continue
             except Exception as exc:
                 self.pending.remove(job)
@@ -388,6 +401,10 @@ class Scheduler:
         # a reshuffled batch measured ~35% slower per token. Prefill chunks
         # rotate instead, so no prompt is always last in line for the budget.
         ready = [j for j in self.active if j not in self._flying_jobs]
+        exclusive = self._exclusive_turn(ready)
+        if exclusive is not None:
+            return exclusive
+        ready = [j for j in ready if not j.wants_exclusive()]  # they wait for their turn
         stable = sorted(ready, key=self._first_lane)
         rotated = self._rotated([j for j in ready if j.phase > PHASE_ATOMIC])
         boosted = self._boost if self._boost in ready else None
@@ -411,7 +428,13 @@ class Scheduler:
                 # plan() with no budget left returns nothing, and an atomic job
                 # that could not run is boosted to go first next turn.
                 job.squeeze = phase is None and allowance is not None
-                planned = job.plan(self.rt, max(0, budget))
+                try:
+                    planned = job.plan(self.rt, max(0, budget))
+                except Exception as exc:  # a request's bad plan fails it, not every turn after
+                    if not isinstance(exc, Fault):
+                        _log.exception("plan_crashed", op=job.ticket.op)
+                    self._finish(job, exc)
+                    continue
                 if not planned:
                     if job.atomic and self._boost is None:
                         self._boost = job
@@ -420,6 +443,23 @@ class Scheduler:
                 owners.append((job, len(planned)))
                 budget -= sum(len(s.tokens) for s in planned)
         return steps, owners
+
+    def _exclusive_turn(self, ready: list[Job]) -> tuple[list[Step], list[tuple[Job, int]]] | None:
+        """This turn's forward when it belongs to one job alone; None for an
+        ordinary turn (also right after an exclusive one, if others are ready)."""
+        wanting = [j for j in ready if j.wants_exclusive()]
+        if not wanting or (self._exclusive_last and len(wanting) < len(ready)):
+            self._exclusive_last = False
+            return None
+        self._exclusive_last = True
+        job = self._rotated(wanting)[0]
+        try:
+            planned = job.plan(self.rt, self.cfg.max_batch_tokens)
+        except Exception as exc:  # e.g. the projector failed to encode: this job only
+            _log.exception("plan_failed", op=job.ticket.op)
+            self._finish(job, exc)
+            return [], []
+        return planned, [(job, len(planned))] if planned else []
 
     def _first_lane(self, job: Job) -> int:
         session = self.rt.lanes.get(job.sessions[0]) if job.sessions else None

@@ -26,8 +26,10 @@ from protocol.envelope import VERSION, event_reply, ok_reply
 from .chat import ChatTemplate
 from .config import WorkerConfig
 from .engine import Engine, LlamaGrammars
+from .engine.media import Projector
 from .handlers import HANDLERS
 from .jobs import Job
+from .media_handlers import MEDIA_HANDLERS
 from .runtime import RuntimeState
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import GrammarChecker
@@ -48,8 +50,10 @@ class LlmService:
         engine: Engine,
         draft: DraftModel | None = None,
         stage: StagePlan | None = None,
+        projector: Projector | None = None,
     ) -> None:
         self.cfg = cfg
+        self.projector = projector  # --mmproj: media in prefill_media / generate / chat
         self.engine = engine
         self.draft = draft  # speculative.mode = "draft_model"
         self.stage = stage  # a pipeline stage (``--layers``), or None for the whole model
@@ -89,7 +93,7 @@ class LlmService:
         self.outbox = Outbox()
         self._handlers: dict[str, Handler] = {
             op: functools.partial(fn, self) if allowed(op, stage) else _refuse(op, stage)
-            for op, fn in {**HANDLERS, **TENSOR_HANDLERS}.items()
+            for op, fn in {**HANDLERS, **TENSOR_HANDLERS, **MEDIA_HANDLERS}.items()
         }
         self.requests = 0
         self.draining = False  # SIGTERM: finishing accepted work, refusing new
@@ -180,6 +184,7 @@ class LlmService:
             "chat_template": self.chat.info(),
             "speech": False,
             "draft_model": self.draft.path if self.draft else None,
+            "media": self.projector.info() if self.projector else None,
             "limits": {
                 "max_message_bytes": self.cfg.max_message_bytes,
                 "max_request_bytes": self.cfg.max_request_bytes,

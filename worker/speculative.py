@@ -24,15 +24,22 @@ from .runtime.rows import accept
 
 
 def lookup_draft(history: Sequence[int], ngram: int, max_draft: int) -> list[int]:
-    """Tokens that followed the latest earlier match of the last n-gram."""
+    """Tokens that followed the latest earlier match of the last n-gram.
+
+    Negative ids mark positions without a token (media, embeddings input):
+    they neither match nor are drafted, so a draft stops where one begins.
+    """
     n = len(history)
     if max_draft <= 0 or n <= ngram:
         return []
     key = list(history[n - ngram :])
+    if min(key) < 0:
+        return []
     for start in range(n - ngram - 1, -1, -1):
         if list(history[start : start + ngram]) == key:
-            follow = history[start + ngram : start + ngram + max_draft]
-            return list(follow)
+            follow = list(history[start + ngram : start + ngram + max_draft])
+            cut = next((i for i, t in enumerate(follow) if t < 0), len(follow))
+            return follow[:cut]
     return []
 
 
@@ -67,5 +74,9 @@ class DraftModel:
         return DraftModel(self.runtime, max_draft)
 
     def draft(self, session: Session, next_token: int, limit: int) -> list[int]:
+        if session.tokens and min(session.tokens) < 0:
+            # The draft model never saw the session's media (or embeddings
+            # input): it has nothing sound to propose, and -1 is no token.
+            return []
         k = min(self.max_draft, limit)
         return self.runtime.draft(session.lane, [*session.tokens, next_token], k)

@@ -140,6 +140,7 @@ class Engine:
         self.n_ctx = int(ll.llama_n_ctx(self._ctx))
         self.n_ctx_per_seq = min(per_seq, int(ll.llama_n_ctx_seq(self._ctx)))
         self.n_batch = int(ll.llama_n_batch(self._ctx))
+        self.n_ubatch = int(ll.llama_n_ubatch(self._ctx))
         self.n_seq = cfg.n_seq
         self.bos = int(ll.llama_vocab_bos(self._vocab))
         self.eos = int(ll.llama_vocab_eos(self._vocab))
@@ -212,13 +213,33 @@ class Engine:
 
     # -- forward -------------------------------------------------------------
 
-    def decode(self, segments: Sequence[Segment]) -> DecodeStatus:
+    def decode(self, segments: Sequence[Segment], causal: bool = True) -> DecodeStatus:
         """Run ONE ``llama_decode`` over all segments.
 
         After success, ``logits_row(output_index(seg_index, k))`` reads the
         rows the segments asked for. On failure the caller must reconcile positions from
         ``pos_max`` (llama.cpp keeps ubatches that completed).
+
+        ``causal=False`` decodes with bidirectional attention inside each
+        sequence (Gemma 3's image tokens see each other). llama.cpp switches
+        it for the whole context, so the caller runs such a batch alone; and
+        it aborts the process when a non-causal batch is wider than one
+        micro-batch, so that is refused here first.
         """
+        if not causal:
+            total = sum(len(s) for s in segments)
+            if total > self.n_ubatch:
+                raise EngineError(
+                    f"a non-causal batch of {total} rows exceeds the micro-batch ({self.n_ubatch})"
+                )
+            ll.llama_set_causal_attn(self._ctx, False)
+            try:
+                return self._decode(segments)
+            finally:
+                ll.llama_set_causal_attn(self._ctx, True)
+        return self._decode(segments)
+
+    def _decode(self, segments: Sequence[Segment]) -> DecodeStatus:
         embd = any(s.embd is not None for s in segments)
         if embd and self._embd_batch is None:
             self._embd_batch = Batch(self.n_batch, self.n_seq, self.n_embd)

@@ -23,7 +23,7 @@ import numpy as np
 
 from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch
 
-from ..engine import Engine, Sampler, SamplerError, Segment, greedy_token
+from ..engine import Engine, OutputMode, Sampler, SamplerError, Segment, greedy_token
 from ..spec import SamplerSpec
 from .chain import Flight, forward_chain, launch_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
@@ -298,9 +298,10 @@ class RuntimeState:
             self.ensure_room(step.session, len(step.tokens))
         groups = _groups(steps)
         results: list[StepResult] = [StepResult() for _ in steps]
-        for (_, hidden), indices in groups.items():
+        for (_, hidden, non_causal), indices in groups.items():
             part = [steps[i] for i in indices]
-            for i, result in zip(indices, self._forward_group(part, hidden), strict=True):
+            outcome = self._forward_group(part, hidden, non_causal)
+            for i, result in zip(indices, outcome, strict=True):
                 results[i] = result
         return results
 
@@ -358,21 +359,29 @@ class RuntimeState:
                 done.append(flight)
         return done
 
-    def _forward_group(self, steps: Sequence[Step], hidden: bool) -> list[StepResult]:
+    def _forward_group(
+        self, steps: Sequence[Step], hidden: bool, non_causal: bool = False
+    ) -> list[StepResult]:
         segments = [
             Segment(
                 s.session.lane,
                 s.tokens,
                 s.session.position,
-                "all" if s.all_rows or s.capture_all else "last" if s.sample else "none",
+                _output_rows(s),
                 s.embd,
             )
             for s in steps
         ]
         if self.tail is not None:
             return forward_chain(self, steps)
+        if non_causal and sum(len(s) for s in segments) > self.engine.n_ubatch:
+            # llama.cpp would abort the process; jobs check this before admission
+            raise BadRequest(
+                f"media of {sum(len(s) for s in segments)} tokens does not fit one "
+                f"micro-batch ({self.engine.n_ubatch}, --ubatch)"
+            )
         self.engine.set_hidden(hidden)
-        status = self.engine.decode(segments)
+        status = self.engine.decode(segments, causal=not non_causal)
         self.forwards += 1
         if not status.ok:
             self.reconcile_after_failure(steps, status.describe())
@@ -494,9 +503,18 @@ class RuntimeState:
         }
 
 
-def _groups(steps: Sequence[Step]) -> dict[tuple[bool, bool], list[int]]:
+def _output_rows(step: Step) -> OutputMode:
+    """The rows llama.cpp outputs for a step. Outputs asked without sampling
+    (a stage's ``forward_frame``) still need the last row: ``_capture`` reads
+    it, and without it every turn crashed and re-ran the step to the lane's end."""
+    if step.all_rows or step.capture_all:
+        return "all"
+    return "last" if step.sample or step.outputs else "none"
+
+
+def _groups(steps: Sequence[Step]) -> dict[tuple[bool, bool, bool], list[int]]:
     """Step indices by ``Step.group``: the steps that can share a ``llama_decode``."""
-    groups: dict[tuple[bool, bool], list[int]] = {}
+    groups: dict[tuple[bool, bool, bool], list[int]] = {}
     for index, step in enumerate(steps):
         groups.setdefault(step.group, []).append(index)
     return groups

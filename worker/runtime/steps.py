@@ -51,17 +51,21 @@ class Step:
     embd: np.ndarray | None = None
     rule: RowRule | None = None  # ``all_rows``: sample the rows by this rule (``row_tokens``)
     origin: Origin | None = None  # a pipeline step answered directly to the head stage
+    # ``embd`` rows decoded with bidirectional attention (an image's tokens):
+    # llama.cpp switches that per context, so the step runs in a forward alone.
+    non_causal: bool = False
 
     @property
     def wants_hidden(self) -> bool:
         return "hidden" in self.outputs
 
     @property
-    def group(self) -> tuple[bool, bool]:
+    def group(self) -> tuple[bool, bool, bool]:
         """Steps of one group share a ``llama_decode``: token ids and input
-        embeddings cannot share a batch, and hidden-state output makes every
-        row of its batch an output row (kept away from other steps' batches)."""
-        return (self.embd is not None, self.wants_hidden)
+        embeddings cannot share a batch, hidden-state output makes every
+        row of its batch an output row (kept away from other steps' batches),
+        and non-causal attention applies to the whole batch."""
+        return (self.embd is not None, self.wants_hidden, self.non_causal)
 
 
 @dataclass
