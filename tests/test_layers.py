@@ -20,9 +20,11 @@ PACKAGES = ("faults", "protocol", "edge", "worker", "loadtest", "gateway")
 # wire (protocol, zmq, msgpack) or the edge.
 CORE = (
     "worker.scheduler",
+    "worker.outcomes",
     "worker.peers",
     "worker.limits",
     "worker.jobs",
+    "worker.batch_jobs",
     "worker.generate",
     "worker.media_feed",
     "worker.media_jobs",

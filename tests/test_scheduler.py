@@ -27,11 +27,10 @@ from faults import (
     LanesBusy,
     QueueFull,
 )
+from worker.batch_jobs import AtomicBatchJob, BatchEntry
 from worker.generate import GenerateJob
 from worker.jobs import (
     PHASE_PREFILL,
-    AtomicBatchJob,
-    BatchEntry,
     DecodeJob,
     Job,
     PrefillJob,

@@ -7,41 +7,39 @@ tokenize, detokenize, cancel: the returned map is the result) or builds a
 job and submits it to the scheduler (returns None; the job answers through
 its ticket). Handlers never touch the socket or llama.cpp beyond the
 engine's tokenizer.
+
+The generation ops (``generate``, ``chat``: ``generate_job`` and its
+readers) are in ``generate_handlers.py``; the ``App`` protocol, the
+``Handler`` type and the shared readers in ``handler_app.py``. Both are
+re-exported here, and ``HANDLERS`` still holds every op of this module.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from edge import Request
-from faults import BadRequest, ContextOverflow, SessionNotActive, Unsupported
+from faults import BadRequest, SessionNotActive
 from protocol.envelope import Op
 
-from .chat import ChatTemplate
-from .config import WorkerConfig
-from .engine import Engine
-from .engine.media import Projector
-from .generate import ChatJob, GenerateJob
+from .batch_jobs import AtomicBatchJob, BatchEntry
+from .generate_handlers import (
+    generate_job,
+    h_chat,
+    h_generate,
+    next_ephemeral,
+    prompt_chars,
+)
+from .handler_app import App, Handler, _sampling, _tokens
 from .jobs import (
-    AtomicBatchJob,
-    BatchEntry,
     DecodeJob,
-    Job,
     PrefillJob,
     SessionOpJob,
     VerifyJob,
 )
-from .limits import Limits, check
-from .runtime import Ephemeral, RuntimeState, SessionId
-from .scheduler import Scheduler
-from .spec import GrammarChecker, SamplerSpec
-from .speculative import Drafter, DraftModel, PromptLookup
-from .ticket import Ticket
 from .validate import (
     check_logit_rows,
     check_request_tokens,
@@ -50,42 +48,41 @@ from .validate import (
     get_bool,
     get_frame,
     get_int,
-    get_messages,
     get_outputs,
-    get_prompt_tokens,
     get_session,
-    get_stops,
     get_str,
     get_tokens,
 )
-from .validate_sampling import get_sampling
 
-
-class App(Protocol):
-    """What handlers use of the worker (``service.LlmService`` provides it)."""
-
-    cfg: WorkerConfig
-    engine: Engine
-    n_vocab: int
-    grammars: GrammarChecker | None
-    rt: RuntimeState
-    sched: Scheduler
-    chat: ChatTemplate
-    draft: DraftModel | None
-    chunk: int
-    limits: Limits  # resolved: per-lane limits are numbers of cells
-    projector: Projector | None  # --mmproj (media_handlers.py); None: text only
-
-    def ticket(self, req: Request) -> Ticket: ...
-
-    def submit(self, job: Job) -> None: ...
-
-    def info(self) -> dict[str, Any]: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-
-Handler = Callable[[App, Request], dict[str, Any] | None]
+# Names moved to handler_app.py / generate_handlers.py stay importable from here.
+__all__ = [
+    "HANDLERS",
+    "App",
+    "Handler",
+    "generate_job",
+    "h_align",
+    "h_cancel",
+    "h_chat",
+    "h_decode",
+    "h_decode_batch",
+    "h_detokenize",
+    "h_drop",
+    "h_generate",
+    "h_info",
+    "h_iteration_batch",
+    "h_ping",
+    "h_prefill",
+    "h_prefill_sampled",
+    "h_signal",
+    "h_signal_window",
+    "h_stats",
+    "h_tokenize",
+    "h_trim",
+    "h_verify",
+    "next_ephemeral",
+    "prompt_chars",
+    "session_entries",
+]
 
 
 def h_ping(app: App, req: Request) -> dict[str, Any] | None:
@@ -115,17 +112,6 @@ def h_tokenize(app: App, req: Request) -> dict[str, Any] | None:
 def h_detokenize(app: App, req: Request) -> dict[str, Any] | None:
     tokens = get_tokens(req.args, "tokens", app.n_vocab, max_len=1 << 20, allow_empty=True)
     return {"text": app.engine.detokenize(tokens)}
-
-
-def _sampling(app: App, args: dict[str, Any]) -> SamplerSpec | None:
-    return get_sampling(args, grammars=app.grammars, limits=app.limits)
-
-
-def _tokens(app: App, args: dict[str, Any], name: str = "tokens") -> list[int]:
-    """Tokens bound for a session: ``--max-request-tokens``, then the lane's cells."""
-    return get_prompt_tokens(
-        args, name, app.n_vocab, app.rt.ctx_per_lane, app.limits.max_request_tokens
-    )
 
 
 def _prefill(app: App, req: Request, sampled: bool) -> None:
@@ -219,42 +205,6 @@ def h_verify(app: App, req: Request) -> dict[str, Any] | None:
     return None
 
 
-def _speculative(app: App, args: dict[str, Any]) -> Drafter | None:
-    """The drafter a generation asked for, or None when speculation is off."""
-    raw = args.get("speculative")
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise BadRequest("speculative must be a map")
-    mode = raw.get("mode")
-    if mode not in ("prompt_lookup", "draft_model"):
-        raise BadRequest("speculative.mode must be 'prompt_lookup' or 'draft_model'")
-    known = (
-        {"mode", "max_draft", "ngram"} if mode == "prompt_lookup" else {"mode", "max_draft", "path"}
-    )
-    unknown = sorted(str(k) for k in set(raw) - known)
-    if unknown:
-        raise BadRequest(f"speculative.{unknown[0][:64]} is not a known field")
-    max_draft = get_int(raw, "max_draft", default=8, lo=1, hi=64)
-    if mode == "prompt_lookup":
-        return PromptLookup(get_int(raw, "ngram", default=3, lo=1, hi=16), max_draft)
-    if app.draft is None:
-        raise Unsupported("no draft model is configured on this worker (--draft-model)")
-    path = raw.get("path")
-    if path is not None and path != app.draft.path:
-        raise Unsupported(f"this worker's draft model is {app.draft.path}, not another")
-    return app.draft.with_max(max_draft)
-
-
-def _logprobs(args: dict[str, Any]) -> int | None:
-    """How many top logprobs a token event carries; None = no logprobs."""
-    if not get_bool(args, "logprobs", False):
-        if "top_logprobs" in args:
-            raise BadRequest("top_logprobs needs logprobs: true")
-        return None
-    return get_int(args, "top_logprobs", default=0, lo=0, hi=20)
-
-
 def h_decode_batch(app: App, req: Request) -> dict[str, Any] | None:
     args = req.args
     entries = [
@@ -299,112 +249,6 @@ def h_iteration_batch(app: App, req: Request) -> dict[str, Any] | None:
     outputs = get_outputs(args)
     job = AtomicBatchJob(app.ticket(req), entries, "iteration", outputs, start_positions=starts)
     app.submit(job)
-    return None
-
-
-_ephemeral_ids = itertools.count(1)
-
-
-def next_ephemeral() -> Ephemeral:
-    """A fresh id for a throwaway session (sessionless generate, embed)."""
-    return Ephemeral(next(_ephemeral_ids))
-
-
-def _generate_session(req: Request) -> tuple[SessionId, bool]:
-    """(session id, named): the request's session, or a fresh ephemeral one.
-
-    An ephemeral id is not a string, so no peer can name it (see ``Ephemeral``).
-    """
-    if req.session is not None:
-        return req.session, True
-    return Ephemeral(next(_ephemeral_ids)), False
-
-
-def generate_job(
-    app: App,
-    req: Request,
-    prompt: str | list[int],
-    make: Callable[..., GenerateJob] = GenerateJob,
-    stop_tokens_extra: Sequence[int] = (),
-    stop_extra: Sequence[str] = (),
-) -> GenerateJob:
-    """The generation job ``generate`` and ``chat`` share, from the common args."""
-    args = req.args
-    session, named = _generate_session(req)
-    limits = app.limits
-    outputs = get_outputs(args)
-    drafter = _speculative(app, args)
-    if outputs and drafter is not None:
-        raise Unsupported("output with speculative decoding is not supported; ask one or the other")
-    stop = get_stops(args, limits)
-    max_tokens = get_int(args, "max_tokens", default=256, lo=1)
-    check(max_tokens, limits.max_new_tokens, "max_new_tokens", f"max_tokens is {max_tokens}")
-    # A text prompt is tokenized when the job starts and held to the limit then;
-    # 0: only the lane's cells bound it (context_overflow).
-    most = limits.max_request_tokens
-    prompt_limit = most if most < app.rt.ctx_per_lane else 0
-    stop_tokens = (
-        get_tokens(args, "stop_tokens", app.n_vocab, max_len=256, allow_empty=True)
-        if "stop_tokens" in args
-        else []
-    )
-    return make(
-        app.ticket(req),
-        session,
-        ephemeral=not named,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        spec=_sampling(app, args),
-        stop=[*stop, *(s for s in stop_extra if s not in stop)],
-        stop_tokens={*stop_tokens, *stop_tokens_extra},
-        ignore_eos=get_bool(args, "ignore_eos", False),
-        stream=get_bool(args, "stream", True),
-        chunk=app.chunk,
-        drafter=drafter,
-        top_logprobs=_logprobs(args),
-        outputs=outputs,
-        prompt_limit=prompt_limit,
-    )
-
-
-def prompt_chars(app: App, args: dict[str, Any]) -> str:
-    """A text prompt; one so long no tokenization could fit a session overflows
-    (its tokens are held to ``--max-request-tokens`` when the job starts)."""
-    limit = app.rt.ctx_per_lane * 64
-    value = args.get("prompt")
-    if isinstance(value, str) and len(value) > limit:
-        raise ContextOverflow(
-            f"prompt has {len(value)} characters; no tokenization of that fits "
-            f"{app.rt.ctx_per_lane} cells"
-        )
-    return get_str(args, "prompt", max_len=limit)
-
-
-def h_generate(app: App, req: Request) -> dict[str, Any] | None:
-    args = req.args
-    has_prompt, has_tokens = "prompt" in args, "tokens" in args
-    if has_prompt == has_tokens:
-        raise BadRequest("give exactly one of prompt or tokens")
-    prompt: str | list[int] = prompt_chars(app, args) if has_prompt else _tokens(app, args)
-    app.submit(generate_job(app, req, prompt))
-    return None
-
-
-def h_chat(app: App, req: Request) -> dict[str, Any] | None:
-    args = req.args
-    if "prompt" in args or "tokens" in args:
-        raise BadRequest("chat takes messages, not prompt or tokens")
-    cells, most = app.rt.ctx_per_lane, app.limits.max_request_tokens
-    messages = get_messages(args, max_chars=cells * 64, most=app.limits.max_messages)
-    template = app.chat
-    tokens = template.prompt_tokens(app.engine, messages)
-    if not tokens:
-        raise BadRequest("messages render to an empty prompt")
-    if most < cells:  # more than the cells is context_overflow when the job starts
-        check(len(tokens), most, "max_request_tokens", "messages render to {n} tokens")
-    end = [template.end_of_turn] if template.end_of_turn else []
-    make = functools.partial(ChatJob, closer=template.closer_tokens, bos=template.bos)
-    app.submit(generate_job(app, req, tokens, make, template.stop_tokens, end))
     return None
 
 

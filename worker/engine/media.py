@@ -25,6 +25,11 @@ Every native object (context, bitmaps, chunk lists) has an owner with
 collector. A ``Projector`` must be closed before its ``Engine``: the mtmd
 context keeps a pointer to the text model.
 
+The header sniffing (``image_size``, MIME maps, pixel budget, ``MediaError``)
+is in ``media_sniff.py`` and the owned native wrappers (``Bitmap``,
+``Chunks``, ``ProjectorError``) in ``media_native.py``; both are re-exported
+here, so callers keep importing from ``engine.media``.
+
 The library logs through a global callback; we keep the last few error lines
 so a failed load can say why (for example a projector width that does not
 match the model's ``n_embd``) instead of llama.cpp printing to stderr.
@@ -32,37 +37,48 @@ match the model's ``n_embd``) instead of llama.cpp printing to stderr.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import struct
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import llama_cpp as ll
 import numpy as np
 from llama_cpp import mtmd_cpp as mt
 
+from .media_native import Bitmap, Chunk, ChunkKind, Chunks, ProjectorError, _u8_pointer
+from .media_sniff import (
+    DEFAULT_MAX_PIXELS,
+    IMAGE_MIMES,
+    JPEG_MAGIC,
+    PNG_MAGIC,
+    RAW_MIMES,
+    MediaError,
+    MediaOverflow,
+    image_size,
+)
 from .model import Engine
 
-ChunkKind = Literal["text", "image", "audio"]
-
-_KINDS: dict[int, ChunkKind] = {
-    mt.MTMD_INPUT_CHUNK_TYPE_TEXT: "text",
-    mt.MTMD_INPUT_CHUNK_TYPE_IMAGE: "image",
-    mt.MTMD_INPUT_CHUNK_TYPE_AUDIO: "audio",
-}
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-JPEG_MAGIC = b"\xff\xd8\xff"
-IMAGE_MIMES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}
-RAW_MIMES = frozenset({"image/x-raw-rgb", "image/rgb", "application/octet-stream"})
-# JPEG start-of-frame markers (they carry the size); C4, C8 and CC are not frames.
-_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-# Pixel budget when the caller gives none: 4096 x 4096 (48 MiB of RGB).
-DEFAULT_MAX_PIXELS = 1 << 24
+# Names moved to media_sniff.py / media_native.py stay importable from here.
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "IMAGE_MIMES",
+    "JPEG_MAGIC",
+    "PNG_MAGIC",
+    "RAW_MIMES",
+    "Bitmap",
+    "Chunk",
+    "ChunkKind",
+    "Chunks",
+    "MediaError",
+    "MediaOverflow",
+    "MediaPrefill",
+    "Projector",
+    "ProjectorError",
+    "image_size",
+]
 
 _GGML_LOG_LEVEL_WARN = 3
 _log_tail: deque[str] = deque(maxlen=8)
@@ -84,170 +100,6 @@ def _ensure_log() -> None:
         mt.mtmd_log_set(_mtmd_log, ctypes.c_void_p(0))
         mt.mtmd_helper_log_set(_mtmd_log, ctypes.c_void_p(0))
         _log_ready = True
-
-
-class MediaError(ValueError):
-    """The request's media or prompt is unusable: the caller answers
-    ``bad_request``. Raised before anything touched the KV cache."""
-
-
-class MediaOverflow(MediaError):
-    """The prompt with its media does not fit in the lane's free cells."""
-
-    def __init__(self, needed: int, available: int) -> None:
-        super().__init__(f"media prompt needs {needed} positions, the lane has {available} free")
-        self.needed = needed
-        self.available = available
-
-
-class ProjectorError(RuntimeError):
-    """llama.cpp's multimodal library failed (load, encode, decode), or the
-    caller broke an invariant (wrong lane, wrong position)."""
-
-
-def _u8_pointer(data: bytes | bytearray | memoryview) -> tuple[np.ndarray, Any]:
-    """A ``uint8*`` into ``data`` without copying; keep the array alive."""
-    arr = np.frombuffer(data, dtype=np.uint8)
-    return arr, arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-
-
-def image_size(data: bytes | bytearray | memoryview) -> tuple[str, int, int]:
-    """``(format, width, height)`` from a PNG or JPEG header, without decoding.
-
-    Raises ``MediaError`` for anything else (other formats, truncated
-    headers): only PNG and JPEG are accepted, and only once their size is
-    known to be within budget are they handed to the decoder.
-    """
-    head = bytes(data[:32])
-    if head.startswith(PNG_MAGIC):
-        if len(head) < 24 or head[12:16] != b"IHDR":
-            raise MediaError("truncated PNG header")
-        w, h = struct.unpack(">II", head[16:24])
-        return "png", int(w), int(h)
-    if head.startswith(JPEG_MAGIC):
-        view = memoryview(data)
-        i, n = 2, len(view)
-        while i + 4 <= n:
-            if view[i] != 0xFF:
-                raise MediaError("malformed JPEG segment")
-            marker = view[i + 1]
-            if marker == 0xFF:  # fill byte
-                i += 1
-                continue
-            if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
-                i += 2
-                continue
-            (seg_len,) = struct.unpack(">H", view[i + 2 : i + 4])
-            if marker in _JPEG_SOF:
-                if i + 9 > n:
-                    break
-                h, w = struct.unpack(">HH", view[i + 5 : i + 9])
-                return "jpeg", int(w), int(h)
-            if marker == 0xDA:  # start of scan before any frame header
-                break
-            i += 2 + seg_len
-        raise MediaError("JPEG without a frame header")
-    raise MediaError("not a PNG or JPEG image")
-
-
-class Bitmap:
-    """An owned ``mtmd_bitmap`` (RGB image or PCM audio)."""
-
-    def __init__(self, ptr: Any, kind: ChunkKind) -> None:
-        self._ptr = ptr
-        self.kind = kind
-        self.nx = int(mt.mtmd_bitmap_get_nx(ptr))
-        self.ny = int(mt.mtmd_bitmap_get_ny(ptr))
-
-    @property
-    def handle(self) -> Any:
-        if not self._ptr:
-            raise ProjectorError("bitmap already freed")
-        return self._ptr
-
-    def close(self) -> None:
-        if self._ptr:
-            mt.mtmd_bitmap_free(self._ptr)
-            self._ptr = None
-
-    def __enter__(self) -> Bitmap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # a safety net only; owners call close()
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One piece of a tokenized media prompt.
-
-    ``tokens`` are the text token ids (None for media); ``n_pos`` is how many
-    positions the chunk takes (equal to ``n_tokens`` except for M-RoPE models).
-    """
-
-    kind: ChunkKind
-    n_tokens: int
-    n_pos: int
-    tokens: tuple[int, ...] | None
-
-
-class Chunks:
-    """An owned ``mtmd_input_chunks`` and what it holds."""
-
-    def __init__(self, ptr: Any) -> None:
-        self._ptr = ptr
-        parts: list[Chunk] = []
-        for i in range(int(mt.mtmd_input_chunks_size(ptr))):
-            c = mt.mtmd_input_chunks_get(ptr, i)
-            kind = _KINDS.get(int(mt.mtmd_input_chunk_get_type(c)))
-            if kind is None:
-                raise ProjectorError(f"unknown mtmd chunk type in chunk {i}")
-            tokens: tuple[int, ...] | None = None
-            if kind == "text":
-                n = ctypes.c_size_t(0)
-                tp = mt.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
-                tokens = tuple(int(tp[k]) for k in range(n.value)) if n.value else ()
-            parts.append(
-                Chunk(
-                    kind,
-                    int(mt.mtmd_input_chunk_get_n_tokens(c)),
-                    int(mt.mtmd_input_chunk_get_n_pos(c)),
-                    tokens,
-                )
-            )
-        self.parts: tuple[Chunk, ...] = tuple(parts)
-        self.n_tokens = int(mt.mtmd_helper_get_n_tokens(ptr))
-        self.n_pos = int(mt.mtmd_helper_get_n_pos(ptr))
-        self.media_tokens = sum(p.n_tokens for p in parts if p.kind != "text")
-        self.text_tokens = self.n_tokens - self.media_tokens
-
-    @property
-    def handle(self) -> Any:
-        if not self._ptr:
-            raise ProjectorError("chunks already freed")
-        return self._ptr
-
-    def chunk_handle(self, index: int) -> Any:
-        return mt.mtmd_input_chunks_get(self.handle, index)
-
-    def close(self) -> None:
-        if self._ptr:
-            mt.mtmd_input_chunks_free(self._ptr)
-            self._ptr = None
-
-    def __enter__(self) -> Chunks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # a safety net only; owners call close()
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 @dataclass(frozen=True)

@@ -10,48 +10,41 @@ When a forward fails part-way, llama.cpp keeps the ubatches that completed.
 We read each involved lane's real position back and move exactly the
 sessions that advanced (their token history is cut to match), then raise
 ``EngineFault`` saying which ones moved.
+
+Sampling and capturing a forward's output rows (``sample_row``,
+``sampler_for``, a step's token / rows / tensors) are the ``RowOutputs``
+mixin in ``outputs.py``; the prefix-cache policy (reuse modes, the grid
+rule, the counters) is in ``prefix.py``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch
 
-from ..engine import Engine, OutputMode, Sampler, SamplerError, Segment, greedy_token
-from ..spec import SamplerSpec
+from ..engine import Engine, OutputMode, Segment
 from .chain import Flight, forward_chain, launch_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
-from .rows import accept
-from .signals import logprobs_of, signal_of, window_summary
+from .outputs import RowOutputs
+from .prefix import MIN_PREFIX_REUSE, REUSE_MODES, PrefixStats, grid_split
+from .signals import window_summary
 from .steps import Step, StepResult
 from .tail import Tail
 
-# A cached prefix shorter than this is not worth giving up an empty lane for.
-MIN_PREFIX_REUSE = 8
-REUSE_MODES = ("exact", "any")
+# Names moved to prefix.py stay importable from here.
+__all__ = [
+    "MIN_PREFIX_REUSE",
+    "REUSE_MODES",
+    "PrefixStats",
+    "RuntimeState",
+    "grid_split",
+]
 
 
-def grid_split(total: int, chunk: int) -> int:
-    """Where the final (whole) prefill piece of a ``total``-token prompt starts."""
-    return ((total - 1) // chunk) * chunk
-
-
-@dataclass
-class PrefixStats:
-    hits: int = 0
-    misses: int = 0
-    reused_tokens: int = 0
-    evictions: int = 0
-    refused_window: int = 0  # partial hits the sliding window no longer covered
-
-
-class RuntimeState:
+class RuntimeState(RowOutputs):
     def __init__(
         self,
         engine: Engine,
@@ -247,43 +240,6 @@ class RuntimeState:
                 f"its {self.ctx_per_lane} context cells"
             )
 
-    def sample_row(
-        self, session: Session, spec: SamplerSpec | None, row: int, top_logprobs: int | None = None
-    ) -> int:
-        """Sample from one row of the last forward with the session's sampler.
-
-        Named sessions record the token's confidence signals; ``top_logprobs``
-        (when not None) leaves the token's logprobs in ``session.last_logprobs``.
-        """
-        if spec is None or spec.greedy:
-            token = greedy_token(self.engine, row)
-        else:
-            try:
-                token = self.sampler_for(session, spec).sample(row)
-            except SamplerError as exc:
-                raise BadRequest(f"sampling: {exc}") from exc
-        session.last_token = token
-        if not session.ephemeral or top_logprobs is not None:
-            logits = self.engine.logits_row(row)
-            if not session.ephemeral:
-                session.signals.append(signal_of(logits, token))
-            if top_logprobs is not None:
-                session.last_logprobs = logprobs_of(logits, token, top_logprobs)
-        return token
-
-    def sampler_for(self, session: Session, spec: SamplerSpec) -> Sampler:
-        """The session's chain, rebuilt only when its parameters change."""
-        if session.sampler is None or session.sampler.spec != spec:
-            if session.sampler is not None:
-                session.sampler.free()
-                session.sampler = None
-            try:
-                session.sampler = Sampler(self.engine, spec)
-            except SamplerError as exc:
-                raise BadRequest(f"sampling: {exc}") from exc
-        sampler: Sampler = session.sampler
-        return sampler
-
     # -- the forward -------------------------------------------------------
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
@@ -408,53 +364,6 @@ class RuntimeState:
         for step in steps:
             self.check_position(step.session)
         return results
-
-    def _capture(self, index: int, step: Step, result: StepResult) -> None:
-        """Copy the asked tensors of the step's output rows out of llama.cpp."""
-        n = len(step.tokens)
-        rows = (
-            [self.engine.output_index(index, k) for k in range(n)]
-            if step.capture_all
-            else [self.engine.output_index(index)]
-        )
-        if "logits" in step.outputs:
-            result.logits = np.stack([self.engine.logits_row(r) for r in rows])
-        if "hidden" in step.outputs:
-            result.hidden = np.stack([self.engine.hidden_row(r) for r in rows])
-
-    def _sample_step(self, index: int, step: Step, result: StepResult) -> None:
-        """Fill one step's result: its rows (``all_rows``) or its sampled token."""
-        session = step.session
-        if step.all_rows:
-            result.rows = [self.engine.output_index(index, k) for k in range(len(step.tokens))]
-            if step.rule is not None:
-                self._sample_rows(step, result, result.rows)
-        elif step.sample:
-            row = self.engine.output_index(index)
-            result.token = self.sample_row(session, step.spec, row, step.top_logprobs)
-            if step.top_logprobs is not None:
-                result.logprobs = session.last_logprobs
-
-    def _sample_rows(self, step: Step, result: StepResult, rows: list[int]) -> None:
-        """Walk an ``all_rows`` step's rows by its ``RowRule`` (see ``runtime.rows``)."""
-        rule = step.rule
-        assert rule is not None
-        session = step.session
-        infos: list[dict[str, Any] | None] = []
-
-        def sample(k: int) -> int:
-            token = self.sample_row(session, step.spec, rows[k], step.top_logprobs)
-            infos.append(session.last_logprobs if step.top_logprobs is not None else None)
-            return token
-
-        def stop(token: int) -> bool:
-            return token in rule.stop_tokens or (rule.stop_eog and self.engine.is_eog(token))
-
-        if rule.until_mismatch:
-            result.row_tokens = accept(rule.checks, sample, stop, rows=len(rows))
-        else:
-            result.row_tokens = [sample(k) for k in range(len(rows))]
-        result.row_logprobs = infos
 
     def reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None:
         advanced: dict[str, int] = {}

@@ -1,0 +1,69 @@
+"""What every handler module shares: the ``App`` protocol and its readers.
+
+``App`` is what a handler uses of the worker (``service.LlmService``
+provides it), ``Handler`` the type of one op's handler, and ``_sampling`` /
+``_tokens`` read the ``sampling`` map and a session-bound token list with
+the worker's limits. Kept apart from ``handlers.py`` so the handler modules
+(``handlers``, ``generate_handlers``, and through ``handlers``'s re-exports
+``tensor_handlers`` and ``media_handlers``) share them without importing
+each other in a circle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from edge import Request
+
+from .chat import ChatTemplate
+from .config import WorkerConfig
+from .engine import Engine
+from .engine.media import Projector
+from .jobs import Job
+from .limits import Limits
+from .runtime import RuntimeState
+from .scheduler import Scheduler
+from .spec import GrammarChecker, SamplerSpec
+from .speculative import DraftModel
+from .ticket import Ticket
+from .validate import get_prompt_tokens
+from .validate_sampling import get_sampling
+
+
+class App(Protocol):
+    """What handlers use of the worker (``service.LlmService`` provides it)."""
+
+    cfg: WorkerConfig
+    engine: Engine
+    n_vocab: int
+    grammars: GrammarChecker | None
+    rt: RuntimeState
+    sched: Scheduler
+    chat: ChatTemplate
+    draft: DraftModel | None
+    chunk: int
+    limits: Limits  # resolved: per-lane limits are numbers of cells
+    projector: Projector | None  # --mmproj (media_handlers.py); None: text only
+
+    def ticket(self, req: Request) -> Ticket: ...
+
+    def submit(self, job: Job) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+Handler = Callable[[App, Request], dict[str, Any] | None]
+
+
+def _sampling(app: App, args: dict[str, Any]) -> SamplerSpec | None:
+    return get_sampling(args, grammars=app.grammars, limits=app.limits)
+
+
+def _tokens(app: App, args: dict[str, Any], name: str = "tokens") -> list[int]:
+    """Tokens bound for a session: ``--max-request-tokens``, then the lane's cells."""
+    return get_prompt_tokens(
+        args, name, app.n_vocab, app.rt.ctx_per_lane, app.limits.max_request_tokens
+    )

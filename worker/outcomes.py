@@ -1,0 +1,178 @@
+"""What becomes of a forward the scheduler planned: results, failures, flights.
+
+``ForwardOutcomes`` is the part of ``Scheduler`` that runs after a turn's
+forward: each measured forward feeds the stats and the ``TurnClock`` (what a
+turn costs, which the planner's cadence budget reads), its results are handed
+to the jobs that own its steps, a failed forward is isolated (jobs whose KV
+moved fail, the others run again alone), and a pipeline stage's forwards go
+down the chain (``_launch``) and come home (``_land``) while other work runs.
+Kept apart from ``scheduler.py`` (intake, reaping, admission, planning) so
+each half reads on its own; ``scheduler.py`` re-exports ``TurnClock``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from structlog import get_logger
+
+from faults import EngineFault, Fault
+
+from .jobs import MIN_CUT, PHASE_DECODE, Job
+from .runtime import Flight, RuntimeState, SessionId, Step, StepResult
+from .stats import SchedulerStats
+
+_log = get_logger("skiff.scheduler")
+
+
+@dataclass
+class _Flying:
+    flight: Flight
+    owners: list[tuple[Job, int]]
+    started: float
+
+
+class TurnClock:
+    """What a turn costs, learned from measured forwards (moving averages)."""
+
+    ALPHA = 0.2
+
+    def __init__(self) -> None:
+        self.decode_ms: float | None = None  # a decode-only turn
+        self.prefill_ms_per_token: float | None = None
+
+    def record(self, decode_rows: int, prefill_tokens: int, ms: float) -> None:
+        a = self.ALPHA
+        if prefill_tokens == 0:
+            if decode_rows:
+                self.decode_ms = ms if self.decode_ms is None else (1 - a) * self.decode_ms + a * ms
+            return
+        extra = ms - (self.decode_ms or 0.0) if decode_rows else ms
+        per = max(extra, 0.0) / prefill_tokens
+        old = self.prefill_ms_per_token
+        self.prefill_ms_per_token = per if old is None else (1 - a) * old + a * per
+
+    def prefill_allowance(self, cadence: float) -> int | None:
+        """Prefill tokens a turn with decoding streams may carry; None = no limit known."""
+        if cadence <= 0 or self.decode_ms is None or not self.prefill_ms_per_token:
+            return None
+        room = (cadence - 1.0) * self.decode_ms
+        return max(MIN_CUT, int(room / self.prefill_ms_per_token))  # never starve a prompt
+
+
+class ForwardOutcomes:
+    """Mixin of ``Scheduler``: measuring forwards, completing and failing their
+    jobs, and a pipeline stage's forwards in flight."""
+
+    rt: RuntimeState
+    stats: SchedulerStats
+    clock: TurnClock
+    active: list[Job]
+    busy: set[SessionId]
+    flying: list[_Flying]
+    _flying_jobs: set[Job]
+
+    def _isolate(self, steps: list[Step], owners: list[tuple[Job, int]], exc: EngineFault) -> None:
+        """A forward of several jobs failed in llama.cpp (say, an exhausted KV
+        cache). The jobs whose sessions' KV moved fail (the runtime kept their
+        positions true, but the job's own progress no longer matches); every
+        other job is run again alone, so only the requests that cannot run
+        fail and the others go on as if nothing happened. Cached prefix lanes
+        give their cells back first (they may be why there was no room)."""
+        _log.error("forward_failed", error=str(exc), jobs=len(owners))
+        freed = self.rt.free_cached_kv()
+        if freed:
+            _log.warning("prefix_cache_cleared_for_room", lanes=freed)
+        if len(owners) == 1 and not freed:
+            self._finish(owners[0][0], exc)
+            return
+        offset = 0
+        for job, count in owners:
+            part = steps[offset : offset + count]
+            offset += count
+            if any(str(step.session.id) in exc.advanced for step in part):
+                self._finish(job, exc)
+                continue
+            started = time.perf_counter()
+            try:
+                results = self.rt.forward(part)
+            except Fault as alone:
+                self._finish(job, alone)
+                continue
+            finally:
+                self._record(part, time.perf_counter() - started)
+            self._complete([(job, count)], results)
+
+    def _record(self, steps: list[Step], seconds: float) -> None:
+        self.stats.record_forward(steps, seconds)
+        decode_rows = sum(1 for s in steps if len(s.tokens) == 1 or s.all_rows)
+        prefill = sum(len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows)
+        self.clock.record(decode_rows, prefill, seconds * 1000)
+
+    def _complete(self, owners: list[tuple[Job, int]], results: list[StepResult]) -> None:
+        offset = 0
+        for job, count in owners:
+            part = results[offset : offset + count]
+            offset += count
+            failed = next((r.error for r in part if r.error is not None), None)
+            if failed is not None:
+                self._finish(job, failed)
+                continue
+            try:
+                finished = job.advance(self.rt, part)
+            except Fault as exc:
+                self._finish(job, exc)
+                continue
+            except Exception as exc:  # a bug in one job must not kill the others
+                _log.exception("job_crashed", op=job.ticket.op)
+                self._finish(job, exc)
+                continue
+            if finished:
+                self._finish(job, None)
+
+    # -- a pipeline stage: forwards in flight down the chain ----------------------
+
+    def _rejoin(self) -> bool:
+        """True when only decode rows are ready while a forward is in flight:
+        they wait to go with the streams in flight instead of forming a second,
+        smaller batch (streams out of phase would halve every batch after).
+        What overlaps a forward in flight is new work: prompts, batches."""
+        if not self.flying:
+            return False
+        ready = [j for j in self.active if j not in self._flying_jobs]
+        return bool(ready) and all(j.phase == PHASE_DECODE for j in ready)
+
+    def _launch(self, steps: list[Step], owners: list[tuple[Job, int]]) -> None:
+        """Send the turn's forward down the chain and go on: its jobs sit out
+        planning (and reaping) until it lands, other jobs keep running."""
+        try:
+            flight = self.rt.launch(steps)
+        except Fault as exc:
+            _log.error("forward_failed", error=str(exc), jobs=len(owners))
+            for job, _ in owners:
+                self._finish(job, exc)
+            return
+        self.flying.append(_Flying(flight, owners, time.perf_counter()))
+        self._flying_jobs.update(job for job, _ in owners)
+
+    def _land(self, timeout_ms: int) -> None:
+        for flight in self.rt.land(timeout_ms):
+            flying = next(f for f in self.flying if f.flight is flight)
+            self.flying.remove(flying)
+            self._flying_jobs.difference_update(job for job, _ in flying.owners)
+            self._record(flight.steps, time.perf_counter() - flying.started)
+            if flight.fault is not None:
+                _log.error("forward_failed", error=str(flight.fault), jobs=len(flying.owners))
+                for job, _ in flying.owners:
+                    self._finish(job, flight.fault)
+                continue
+            self._complete(flying.owners, flight.results)
+
+    def _finish(self, job: Job, exc: BaseException | None) -> None:
+        if exc is not None:
+            job.fail(self.rt, exc)
+        if job in self.active:
+            self.active.remove(job)
+            self.busy.difference_update(job.sessions)
+        job.release(self.rt)
