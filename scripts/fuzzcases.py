@@ -824,6 +824,8 @@ REGRESSIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("tokenize", {"text": "<start_of_turn>" * 69000, "parse_special": True}),
     # a bf16 frame echoed: its reply failed to render and the turn's other replies were lost
     ("echo", {}),
+    # a NUL in speech text reached espeak, which takes C strings: ValueError, ``internal``
+    ("synthesize", {"text": "Hi\x00there."}),
     # a stage asked for logits of rows it did not sample: every turn crashed and re-ran the
     # forward, moving the session to the end of its lane (the frame is made per run)
     ("forward_frame", {}),

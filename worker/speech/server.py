@@ -260,6 +260,8 @@ class SpeechService:
             raise LimitExceeded(
                 f"text has {len(text)} characters; the limit is {self.max_chars} (--max-chars)"
             )
+        if "\x00" in text:  # espeak takes C strings: a NUL raised ValueError mid-synthesis
+            raise BadRequest("text must not contain NUL characters")
         voice = args.get("voice", self.engine.default_voice)
         if not isinstance(voice, str) or voice not in self.engine.voices:
             raise BadRequest(f"unknown voice; known: {list(self.engine.voices)}")
