@@ -8,8 +8,13 @@ One cluster for the module (``skiff-gateway`` + 2 workers with 4 lanes of
 - SIGKILL of a worker mid-stream ends its stream with ``worker_unavailable``
   within 2 s while new work succeeds on the other; restarted on the same
   endpoint it takes new sessions again;
+- SIGTERM of a worker: its stream ends normally, the gateway sends new work
+  (and what the draining worker refused) to the other; it exits 0, rejoins;
+- SIGTERM of the gateway mid-stream: the stream ends normally, new work is
+  ``shutting_down``; a new gateway finds the sessions and continues them;
 - ``skiff-gateway drain`` moves live sessions (requests keep coming while
-  they move) and their greedy continuations equal a reference run.
+  they move) and their greedy continuations equal a reference run (last:
+  the drained worker takes no new work until it restarts).
 """
 
 from __future__ import annotations
@@ -233,77 +238,6 @@ def test_killed_worker_ends_its_streams_and_rejoins_after_restart(cluster: Clust
             c.drop(name)
 
 
-PROMPTS = [
-    "The lighthouse keeper climbed the stairs every evening, and",
-    "In the village library, a curious student found",
-    "The morning train crossed the bridge over the canal while",
-]
-BEFORE, AFTER = 6, 12  # greedy decode steps before and after the move
-
-
-def _greedy(client: Client, session: str, token: int, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        token = int(client.decode(session, token)["token"])
-        out.append(token)
-    return out
-
-
-def test_drain_moves_live_sessions_and_continuations_are_exact(cluster: Cluster) -> None:
-    names = [f"mv{i}" for i in range(len(PROMPTS))]
-    got: dict[str, list[int]] = {}
-    with cluster.client() as c:
-        prompts = {n: c.tokenize(p) for n, p in zip(names, PROMPTS, strict=True)}
-        for n in names:
-            got[n] = [int(c.prefill_sampled(n, prompts[n])["token"])]
-            got[n] += _greedy(c, n, got[n][-1], BEFORE)
-    where = {n: cluster.holders(n) for n in names}
-    assert all(len(h) == 1 for h in where.values()), where
-    counts = {ep: sum(h == [ep] for h in where.values()) for ep in cluster.endpoints}
-    source = max(counts, key=lambda ep: counts[ep])
-    target = next(ep for ep in cluster.endpoints if ep != source)
-    moving = [n for n in names if where[n] == [source]]
-
-    # decode every session while the drain runs: requests for a moving session wait for it
-    def keep_decoding() -> None:
-        with cluster.client() as c:
-            for _ in range(AFTER):
-                for n in names:
-                    got[n] += _greedy(c, n, got[n][-1], 1)
-
-    worker = threading.Thread(target=keep_decoding)
-    worker.start()
-    time.sleep(0.05)  # a few steps in flight before the drain starts
-    drain = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "drain", source, "--gateway", cluster.gateway_ep],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    worker.join(120)
-    assert drain.returncode == 0, drain.stdout + drain.stderr
-    result = json.loads(drain.stdout)
-    assert sorted(m["session"] for m in result["moved"]) == sorted(moving)
-    assert all(m["to"] == target for m in result["moved"]) and result["failed"] == []
-    assert cluster.named_sessions(source) == []
-    assert sorted(cluster.named_sessions(target)) == sorted(names)
-    view = {w["endpoint"]: w for w in cluster.status()["workers"]}
-    assert view[source]["drained"] and sorted(view[target]["sessions"]) == sorted(names)
-
-    # reference: the same prompts, greedy, one session at a time, on the drained worker
-    with Client(source, timeout_ms=60_000) as ref:
-        for n in names:
-            first = int(ref.prefill_sampled("ref", prompts[n])["token"])
-            expected = [first, *_greedy(ref, "ref", first, BEFORE + AFTER)]
-            ref.drop("ref")
-            assert got[n] == expected, n
-    with cluster.client() as c:
-        for n in names:
-            c.drop(n)
-
-
 def test_a_sigterm_worker_finishes_its_streams_while_the_gateway_serves_on(
     cluster: Cluster,
 ) -> None:
@@ -377,3 +311,74 @@ def test_a_gateway_restart_keeps_the_workers_sessions(cluster: Cluster) -> None:
         got += _greedy(c, "survivor", got[-1], AFTER)
         assert got == expected
         c.drop("survivor")
+
+
+PROMPTS = [
+    "The lighthouse keeper climbed the stairs every evening, and",
+    "In the village library, a curious student found",
+    "The morning train crossed the bridge over the canal while",
+]
+BEFORE, AFTER = 6, 12  # greedy decode steps before and after the move
+
+
+def _greedy(client: Client, session: str, token: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        token = int(client.decode(session, token)["token"])
+        out.append(token)
+    return out
+
+
+def test_drain_moves_live_sessions_and_continuations_are_exact(cluster: Cluster) -> None:
+    names = [f"mv{i}" for i in range(len(PROMPTS))]
+    got: dict[str, list[int]] = {}
+    with cluster.client() as c:
+        prompts = {n: c.tokenize(p) for n, p in zip(names, PROMPTS, strict=True)}
+        for n in names:
+            got[n] = [int(c.prefill_sampled(n, prompts[n])["token"])]
+            got[n] += _greedy(c, n, got[n][-1], BEFORE)
+    where = {n: cluster.holders(n) for n in names}
+    assert all(len(h) == 1 for h in where.values()), where
+    counts = {ep: sum(h == [ep] for h in where.values()) for ep in cluster.endpoints}
+    source = max(counts, key=lambda ep: counts[ep])
+    target = next(ep for ep in cluster.endpoints if ep != source)
+    moving = [n for n in names if where[n] == [source]]
+
+    # decode every session while the drain runs: requests for a moving session wait for it
+    def keep_decoding() -> None:
+        with cluster.client() as c:
+            for _ in range(AFTER):
+                for n in names:
+                    got[n] += _greedy(c, n, got[n][-1], 1)
+
+    worker = threading.Thread(target=keep_decoding)
+    worker.start()
+    time.sleep(0.05)  # a few steps in flight before the drain starts
+    drain = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "drain", source, "--gateway", cluster.gateway_ep],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    worker.join(120)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    result = json.loads(drain.stdout)
+    assert sorted(m["session"] for m in result["moved"]) == sorted(moving)
+    assert all(m["to"] == target for m in result["moved"]) and result["failed"] == []
+    assert cluster.named_sessions(source) == []
+    assert sorted(cluster.named_sessions(target)) == sorted(names)
+    view = {w["endpoint"]: w for w in cluster.status()["workers"]}
+    assert view[source]["drained"] and sorted(view[target]["sessions"]) == sorted(names)
+
+    # reference: the same prompts, greedy, one session at a time, on the drained worker
+    with Client(source, timeout_ms=60_000) as ref:
+        for n in names:
+            first = int(ref.prefill_sampled("ref", prompts[n])["token"])
+            expected = [first, *_greedy(ref, "ref", first, BEFORE + AFTER)]
+            ref.drop("ref")
+            assert got[n] == expected, n
+    with cluster.client() as c:
+        for n in names:
+            c.drop(n)
