@@ -173,7 +173,7 @@ class EdgeServer:
         now = time.monotonic()
         if not self._drain_begun:
             self._drain_begun = True
-            _log.warning("drain_started", timeout_s=round(self._drain_deadline - now, 3))
+            _log.info("drain_started", timeout_s=round(self._drain_deadline - now, 3))
             self.service.begin_drain()
         if self.service.idle():
             _log.info("drain_done", cancelled=self._cancelled_at is not None)
