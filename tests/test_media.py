@@ -373,17 +373,21 @@ def test_chat_turn_with_an_image_continues_a_session(mc: Client, marker: str) ->
     assert lanes(mc)["c"][1] == first["usage"]["prompt_tokens"] + 1 + fed + 1
 
 
-def test_cancel_part_way_leaves_the_session_where_it_was(mc: Client, marker: str) -> None:
+def test_cancel_part_way_leaves_the_session_where_it_was(
+    mc: Client, marker: str, media_worker: tuple[str, Path]
+) -> None:
     head = mc.tokenize("Before the image.")
     mc.prefill("cut", head)
-    long_text = " word" * 600  # several prefill pieces after the image
+    long_text = " word" * 900  # ~7 prefill pieces after the image
     args = {"prompt": f"{marker}{long_text}", "media": [{"buffer": 0}]}
     rid = mc.send("prefill_media", "cut", args, [IMAGE])
-    time.sleep(0.05)  # let it start (measured: the image's 17 positions land first)
-    mc.call("cancel", None, {"id": rid})
+    with Client(media_worker[0], timeout_ms=30_000) as watcher:
+        deadline = time.monotonic() + 30
+        while lanes(watcher).get("cut", (0, 0))[1] <= len(head):  # the image has landed
+            assert time.monotonic() < deadline, "the media prefill never started"
+        mc.call("cancel", None, {"id": rid})
     reply = mc.recv(rid)
-    if reply.header["ok"]:  # it finished before the cancel arrived: nothing to check
-        pytest.skip("the prefill finished before its cancel")
+    assert not reply.header["ok"], "the prefill finished before its cancel (text too short)"
     assert reply.header["error"]["code"] == "cancelled"
     assert lanes(mc)["cut"][1] == len(head)
     assert np.array_equal(logits_after(mc, "cut", probe(mc)), _fresh_logits(mc, head))
