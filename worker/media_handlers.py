@@ -31,10 +31,9 @@ from protocol.envelope import Op
 
 from .engine.media import Bitmap, MediaError, Projector, image_size
 from .handlers import App, Handler, generate_job, h_chat, h_generate, prompt_chars
-from .limits import check
 from .media_feed import MediaPrompt
 from .media_jobs import MediaGenerateJob, MediaPrefillJob
-from .validate import get_bool, get_int, get_outputs, get_session, get_str
+from .validate import get_bool, get_int, get_messages, get_outputs, get_session, get_str
 from .validate_sampling import get_sampling
 
 # Media items one request may carry (each is at least one position and an encode).
@@ -233,26 +232,12 @@ def chat_messages(
 ) -> tuple[list[dict[str, str]], list[tuple[str, str, bytes]]]:
     """Messages with string contents, and the images of their ``image_url``
     parts as ``(where, mime, bytes)`` (each replaced by ``marker``)."""
-    if not isinstance(raw, list) or not raw:
-        raise BadRequest("messages must be a non-empty list")
-    check(len(raw), most, "max_messages", "messages has {n} entries")
-    out: list[dict[str, str]] = []
     images: list[tuple[str, str, bytes]] = []
-    total = 0
-    for i, msg in enumerate(raw):
-        if not isinstance(msg, dict):
-            raise BadRequest(f"messages[{i}] must be a map")
-        role, content = msg.get("role"), msg.get("content")
-        if not isinstance(role, str) or not 0 < len(role) <= 64:
-            raise BadRequest(f"messages[{i}].role must be a non-empty string")
-        if isinstance(content, list):
-            content = _content_parts(content, f"messages[{i}].content", marker, images)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
-        total += len(content)
-        if total > max_chars:
-            raise BadRequest(f"messages are longer than {max_chars} characters")
-        out.append({"role": role, "content": content})
+
+    def parts(content: list[Any], where: str) -> str:
+        return _content_parts(content, where, marker, images)
+
+    out = get_messages({"messages": raw}, max_chars, most, parts)
     if len(images) > MAX_MEDIA_ITEMS:
         raise BadRequest(f"messages carry {len(images)} images; at most {MAX_MEDIA_ITEMS}")
     return out, images

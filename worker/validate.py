@@ -16,7 +16,7 @@ This module imports neither the engine nor llama.cpp.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from faults import BadRequest, ContextOverflow, LimitExceeded
@@ -152,10 +152,15 @@ def get_stops(args: dict[str, Any], limits: Limits) -> list[str]:
 
 
 def get_messages(
-    args: dict[str, Any], max_chars: int, most: int = _DEFAULT_LIMITS.max_messages
+    args: dict[str, Any],
+    max_chars: int,
+    most: int = _DEFAULT_LIMITS.max_messages,
+    parts: Callable[[list[Any], str], str] | None = None,
 ) -> list[dict[str, str]]:
     """Validate ``messages``: a non-empty list of ``{"role", "content"}`` strings,
-    at most ``most`` of them (``--max-messages``: ``limit_exceeded``)."""
+    at most ``most`` of them (``--max-messages``: ``limit_exceeded``). With
+    ``parts``, a content may also be a list of parts, which ``parts(list,
+    where)`` turns into the string (media chat: images become the marker)."""
     messages = args.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
@@ -168,8 +173,11 @@ def get_messages(
         role, content = msg.get("role"), msg.get("content")
         if not isinstance(role, str) or not 0 < len(role) <= 64:
             raise BadRequest(f"messages[{i}].role must be a non-empty string")
+        if parts is not None and isinstance(content, list):
+            content = parts(content, f"messages[{i}].content")
         if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string")
+            kinds = "a string or a list of parts" if parts is not None else "a string"
+            raise BadRequest(f"messages[{i}].content must be {kinds}")
         total += len(content)
         if total > max_chars:
             raise BadRequest(f"messages are longer than {max_chars} characters")
