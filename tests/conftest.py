@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -18,6 +20,35 @@ from protocol import Client, SkiffError
 from worker.models import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+# How long a test waits for something it cannot hurry (a process starting, a
+# reply, a condition another thread or process brings about). Only a hang
+# should reach it: on a loaded machine (CI beside other jobs, or under
+# scripts/burn_cpu.py) things take many times longer than on an idle one.
+WAIT_S = 60.0
+
+
+def wait_until(
+    cond: Callable[[], T],
+    timeout_s: float = WAIT_S,
+    what: str = "condition",
+    interval_s: float = 0.02,
+) -> T:
+    """Poll ``cond`` until it returns something true, and return that.
+
+    Tests wait for what they can observe, never sleep a guessed time and then
+    assert: the bound turns a hang into a failure; it is not a timing claim.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s:g} s (last: {value!r})")
+        time.sleep(interval_s)
 
 
 def start_worker(
@@ -47,7 +78,7 @@ def start_worker(
     )
     with Client(endpoint) as client:
         try:
-            client.wait_ready(60, alive=lambda: proc.poll() is None)
+            client.wait_ready(2 * WAIT_S, alive=lambda: proc.poll() is None)
         except SkiffError:
             proc.kill()
             raise RuntimeError(f"worker did not start:\n{log_path.read_text()}") from None
@@ -57,7 +88,7 @@ def start_worker(
 def stop_worker(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
-        proc.wait(10)
+        proc.wait(WAIT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
 

@@ -22,6 +22,7 @@ import msgpack
 import pytest
 import zmq
 
+from conftest import WAIT_S, wait_until
 from gateway.affinity import AffinityTable
 from gateway.config import GatewayConfig, add_serve_arguments, from_namespace
 from gateway.pool import WorkerConn
@@ -230,9 +231,12 @@ def test_config_flags_env_twins_and_workers_file(
 class FakeWorker(threading.Thread):
     """A ROUTER speaking enough of the protocol to route, stream and migrate.
 
-    ``generate`` streams ``max_tokens`` events, one per ``tick`` seconds;
-    ``export_state`` answers after ``export_delay`` seconds; ``silent`` makes
-    it ignore everything (a hung process)."""
+    ``generate`` streams ``max_tokens`` events, one per ``tick`` seconds,
+    while ``streams_open`` is set (clear it to hold every stream where it
+    is); ``export_state`` answers once ``exports_open`` is set; ``silent``
+    makes it ignore everything (a hung process). The gates let a test hold
+    work in flight for as long as it needs, instead of guessing how long a
+    loaded machine takes to do the rest."""
 
     def __init__(self, endpoint: str, lanes: int = 4, sessions: tuple[str, ...] = ()) -> None:
         super().__init__(daemon=True)
@@ -242,7 +246,10 @@ class FakeWorker(threading.Thread):
         self.seen: list[dict[str, Any]] = []
         self.silent = threading.Event()
         self.shutting_down = False  # refuse new work as a draining worker does
-        self.export_delay = 0.0
+        self.streams_open = threading.Event()
+        self.streams_open.set()
+        self.exports_open = threading.Event()
+        self.exports_open.set()
         self.tick = 0.01
         self._halt = threading.Event()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -258,7 +265,7 @@ class FakeWorker(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(5)
+        self.join(WAIT_S)
         self.sock.close(linger=0)
 
     def _send(self, peer: bytes, header: dict[str, Any], buffers: list[Any] | None = None) -> None:
@@ -266,6 +273,13 @@ class FakeWorker(threading.Thread):
 
     def _later(self, delay: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
+
+    def _once_open(self, gate: threading.Event, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now if ``gate`` is set, else look again a tick later."""
+        if gate.is_set():
+            fn()
+        else:
+            self._later(self.tick, lambda: self._once_open(gate, fn))
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -311,8 +325,8 @@ class FakeWorker(threading.Thread):
             ok({})
         elif op == "export_state":
             state = {"position": self.sessions[session]}
-            self._later(
-                self.export_delay, lambda: ok({"session_state": state}, [b"kv-" + session.encode()])
+            self._once_open(
+                self.exports_open, lambda: ok({"session_state": state}, [b"kv-" + session.encode()])
             )
         elif op == "import_state":
             if bufs != [b"kv-" + session.encode()] or session in self.sessions:
@@ -333,6 +347,9 @@ class FakeWorker(threading.Thread):
             fail("unknown_op")
 
     def _stream(self, peer: bytes, rid: int, i: int) -> None:
+        if not self.streams_open.is_set():
+            self._later(self.tick, lambda: self._stream(peer, rid, i))  # held where it is
+            return
         left = self._streams.get((peer, rid), 0)
         if left <= i:
             reason = "cancelled" if left < 0 else "length"
@@ -362,24 +379,48 @@ class FakeWorker(threading.Thread):
         }
 
 
+# Gateway health timing for the in-process clusters: pings every 50 ms (a
+# worker that answers again rejoins at once), but a worker is cut off only
+# after seconds of silence. The fakes are threads in this process: on a loaded
+# machine they can miss a few hundred milliseconds, and a worker marked down
+# by accident fails the test that did not ask for it.
+HEALTH_MS = 50
+DOWN_AFTER_MS = 2_000  # heartbeats (answered by ZeroMQ's I/O thread, not Python)
+STALL_AFTER_MS = 10_000  # loop silence; the silent-worker test asks for less
+
+
 class Cluster:
-    def __init__(self, tmp: Path, n: int = 2, **fake: Any) -> None:
+    """The gateway loop in a thread in front of ``n`` fake workers.
+
+    ``sessions_on[i]`` are sessions fake ``i`` holds before the gateway
+    starts (so its first ``stats`` already lists them)."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        n: int = 2,
+        sessions_on: tuple[dict[str, int], ...] = (),
+        stall_after_ms: int = STALL_AFTER_MS,
+        **fake: Any,
+    ) -> None:
         self.fakes = [FakeWorker(f"ipc://{tmp}/fake{i}.sock", **fake) for i in range(n)]
+        for f, sessions in zip(self.fakes, sessions_on, strict=False):
+            f.sessions.update(sessions)
         for f in self.fakes:
             f.start()
         cfg = GatewayConfig(
             bind=f"ipc://{tmp}/gw.sock",
             workers=tuple(f.endpoint for f in self.fakes),
-            health_interval_ms=50,
-            down_after_ms=400,
-            stall_after_ms=600,
+            health_interval_ms=HEALTH_MS,
+            down_after_ms=DOWN_AFTER_MS,
+            stall_after_ms=stall_after_ms,
         )
         self.gateway = Gateway(cfg)
         self.thread = threading.Thread(target=self.gateway.serve_forever, daemon=True)
         self.thread.start()
         self.endpoint = self.gateway.endpoint
 
-    def client(self, timeout_ms: int = 10_000) -> Client:
+    def client(self, timeout_ms: int = int(WAIT_S * 1000)) -> Client:
         return Client(self.endpoint, timeout_ms=timeout_ms)
 
     def status(self) -> dict[str, Any]:
@@ -389,7 +430,9 @@ class Cluster:
 
     def wait_up(self, n: int | None = None) -> None:
         want = len(self.fakes) if n is None else n
-        _until(lambda: sum(w["up"] for w in self.status()["workers"]) == want)
+        wait_until(
+            lambda: sum(w["up"] for w in self.status()["workers"]) == want, what="workers up"
+        )
 
     def holder(self, session: str) -> FakeWorker:
         (found,) = [f for f in self.fakes if session in f.sessions]
@@ -397,18 +440,10 @@ class Cluster:
 
     def close(self) -> None:
         self.gateway.stop()
-        self.thread.join(5)
+        self.thread.join(WAIT_S)
         self.gateway.close()
         for f in self.fakes:
             f.stop()
-
-
-def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait for a condition (a bound on a hang, not a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 @pytest.fixture()
@@ -425,7 +460,7 @@ def test_no_worker_up_is_worker_unavailable(tmp_path: Path) -> None:
     thread = threading.Thread(target=gateway.serve_forever, daemon=True)
     thread.start()
     try:
-        with Client(gateway.endpoint, timeout_ms=10_000) as c:
+        with Client(gateway.endpoint, timeout_ms=int(WAIT_S * 1000)) as c:
             assert c.ping() == {"pong": True}  # the gateway itself answers
             for op in ("tokenize", "info"):
                 with pytest.raises(SkiffError) as err:
@@ -433,7 +468,7 @@ def test_no_worker_up_is_worker_unavailable(tmp_path: Path) -> None:
                 assert err.value.code == "worker_unavailable"
     finally:
         gateway.stop()
-        thread.join(5)
+        thread.join(WAIT_S)
         gateway.close()
 
 
@@ -524,43 +559,51 @@ def test_cancel_reaches_the_worker_running_the_request(cluster: Cluster) -> None
     assert cancel["args"] == {"id": gen["id"]} and gen["id"] != rid
 
 
-def test_a_silent_worker_fails_its_streams_and_rejoins(cluster: Cluster) -> None:
-    with cluster.client() as c:
-        # two streams, one per worker (the second sees the first one's load)
-        rids = [c.send("generate", None, {"prompt": "x", "max_tokens": 200}) for _ in range(2)]
-        for rid in rids:
-            c.recv(rid)
-        assert all(f.ops("generate") for f in cluster.fakes)
-        victim, other = cluster.fakes
-        c.prefill("doomed", [1])  # the idler worker: the second stream's is busier
-        assert "doomed" in victim.sessions
-        victim.silent.set()
-        outcomes = []
-        for rid in rids:
-            try:
-                outcomes.append(list(c.follow(rid))[-1].header["finish_reason"])
-            except SkiffError as exc:
-                outcomes.append(exc.code)
-        assert sorted(outcomes) == ["length", "worker_unavailable"]
-        down = {w["endpoint"]: w["up"] for w in cluster.status()["workers"]}
-        assert down == {victim.endpoint: False, other.endpoint: True}
-        assert c.prefill("after", [1]) == 1 and "after" in other.sessions
-        # a session lost with its worker is refused, not silently restarted elsewhere
-        with pytest.raises(SkiffError) as err:
-            c.prefill("doomed", [2])
-        assert err.value.code == "worker_unavailable" and "drop it" in err.value.message
-        assert c.drop("doomed") == {}
-        assert c.prefill("doomed", [2]) == 1 and "doomed" in other.sessions
-        victim.silent.clear()
+def test_a_silent_worker_fails_its_streams_and_rejoins(tmp_path: Path) -> None:
+    # A hung worker is told only by its silence: 2 s of it here (the other
+    # tests allow 10 s, so a slow fake thread is never taken for a hung one).
+    cluster = Cluster(tmp_path, stall_after_ms=2_000)
+    try:
         cluster.wait_up()
-        assert c.prefill("again", [1]) == 1 and "again" in victim.sessions  # the idler one
+        with cluster.client() as c:
+            # two streams, one per worker (the second sees the first one's load)
+            rids = [c.send("generate", None, {"prompt": "x", "max_tokens": 200}) for _ in range(2)]
+            for rid in rids:
+                c.recv(rid)
+            assert all(f.ops("generate") for f in cluster.fakes)
+            victim, other = cluster.fakes
+            c.prefill("doomed", [1])  # the idler worker: the second stream's is busier
+            assert "doomed" in victim.sessions
+            victim.silent.set()
+            outcomes = []
+            for rid in rids:
+                try:
+                    outcomes.append(list(c.follow(rid))[-1].header["finish_reason"])
+                except SkiffError as exc:
+                    outcomes.append(exc.code)
+            assert sorted(outcomes) == ["length", "worker_unavailable"]
+            down = {w["endpoint"]: w["up"] for w in cluster.status()["workers"]}
+            assert down == {victim.endpoint: False, other.endpoint: True}
+            assert c.prefill("after", [1]) == 1 and "after" in other.sessions
+            # a session lost with its worker is refused, not silently restarted elsewhere
+            with pytest.raises(SkiffError) as err:
+                c.prefill("doomed", [2])
+            assert err.value.code == "worker_unavailable" and "drop it" in err.value.message
+            assert c.drop("doomed") == {}
+            assert c.prefill("doomed", [2]) == 1 and "doomed" in other.sessions
+            victim.silent.clear()
+            cluster.wait_up()
+            assert c.prefill("again", [1]) == 1 and "again" in victim.sessions  # the idler one
+    finally:
+        cluster.close()
 
 
 def test_affinity_is_rebuilt_from_workers_stats(tmp_path: Path) -> None:
-    cl = Cluster(tmp_path, sessions=())
+    # listed by the second worker before the gateway's first stats (a session
+    # added later would show only after a later stats: a race with the check)
+    cl = Cluster(tmp_path, sessions_on=({}, {"kept": 5}))
     try:
-        cl.fakes[1].sessions["kept"] = 5
-        cl.wait_up()
+        cl.wait_up()  # up only after its stats are applied
         with cl.client() as c:
             placed = {s: w["endpoint"] for w in cl.status()["workers"] for s in w["sessions"]}
             assert placed == {"kept": cl.fakes[1].endpoint}
@@ -577,12 +620,15 @@ def test_drain_moves_sessions_and_holds_their_requests(cluster: Cluster) -> None
         dst = cluster.fakes[1]
         moving = sorted(s for s in src.sessions)
         assert moving
-        src.export_delay = 0.2  # long enough for requests to arrive mid-move
+        src.exports_open.clear()  # the first move stops at its export until we say
         drain_id = c.send("gateway_drain", None, {"worker": src.endpoint})
-        _until(lambda: bool(cluster.status()["held"]))
-        (held,) = cluster.status()["held"]
+        (held,) = wait_until(lambda: cluster.status()["held"], what="a session moving")
         follow = {s: c.send("prefill", s, {"tokens": [4]}) for s in moving}
-        result = c.recv(drain_id, timeout_ms=30_000).raise_for_error().result
+        wait_until(
+            lambda: cluster.status()["held"].get(held) == 1, what="its request held in the gateway"
+        )
+        src.exports_open.set()
+        result = c.recv(drain_id).raise_for_error().result
         assert result["failed"] == [], result
         assert sorted(m["session"] for m in result["moved"]) == moving, result
         for rid in follow.values():
@@ -613,20 +659,20 @@ def test_a_stopped_worker_process_is_cut_off_by_heartbeats(tmp_path: Path) -> No
     cfg = GatewayConfig(
         bind=f"ipc://{tmp_path}/gw.sock",
         workers=(endpoint,),
-        health_interval_ms=50,
-        down_after_ms=300,
+        health_interval_ms=HEALTH_MS,
+        down_after_ms=DOWN_AFTER_MS,
         stall_after_ms=600_000,
     )
     gateway = Gateway(cfg)
     thread = threading.Thread(target=gateway.serve_forever, daemon=True)
     thread.start()
     try:
-        with Client(gateway.endpoint, timeout_ms=20_000) as c:
+        with Client(gateway.endpoint, timeout_ms=int(WAIT_S * 1000)) as c:
 
             def up() -> bool:
                 return bool(c.call("gateway_status").result["workers"][0]["up"])
 
-            _until(up, timeout_s=30)
+            wait_until(up, what="the fake worker process up")
             rid = c.send("generate", None, {"prompt": "x", "max_tokens": 100_000})
             c.recv(rid)
             os.kill(proc.pid, signal.SIGSTOP)
@@ -636,12 +682,12 @@ def test_a_stopped_worker_process_is_cut_off_by_heartbeats(tmp_path: Path) -> No
             assert err.value.code == "worker_unavailable"
             assert not up()
             os.kill(proc.pid, signal.SIGCONT)
-            _until(up)
+            wait_until(up, what="the fake worker back up")
     finally:
         proc.kill()
-        proc.wait(10)
+        proc.wait(WAIT_S)
         gateway.stop()
-        thread.join(5)
+        thread.join(WAIT_S)
         gateway.close()
 
 
@@ -679,25 +725,31 @@ def test_work_a_shutting_down_worker_refuses_goes_to_another(cluster: Cluster) -
             assert [r.header.get("finish_reason") for r in c.follow(rid)][-1] == "length"
     assert set(other.sessions) == {f"s{i}" for i in range(4)}
     assert draining.sessions == {}
-    _until(lambda: [w["draining"] for w in cluster.status()["workers"]] == [True, False])
+    wait_until(
+        lambda: [w["draining"] for w in cluster.status()["workers"]] == [True, False],
+        what="the refusing worker seen as draining",
+    )
 
 
 def test_a_draining_gateway_refuses_new_work_and_relays_the_rest(tmp_path: Path) -> None:
     cl = Cluster(tmp_path, n=1)
     cl.wait_up()
     try:
-        cl.fakes[0].tick = 0.05
+        fake = cl.fakes[0]
         with cl.client() as c:
             rid = c.send("generate", None, {"max_tokens": 20})
             c.recv(rid).raise_for_error()
-            cl.gateway.drain(30)
-            _until(lambda: bool(c.call("stats").result["draining"]))
+            # the stream stays in flight (the drain waits for it) until we are done
+            fake.streams_open.clear()
+            cl.gateway.drain(WAIT_S)
+            wait_until(lambda: c.call("stats").result["draining"], what="the gateway draining")
             with pytest.raises(SkiffError) as err:
                 c.prefill("late", [1])
             assert err.value.code == "shutting_down"
+            fake.streams_open.set()
             events = list(c.follow(rid))
             assert events[-1].header["finish_reason"] == "length"
-        cl.thread.join(10)
+        cl.thread.join(WAIT_S)
         assert not cl.thread.is_alive()  # the loop ended by itself once idle
     finally:
         cl.close()
@@ -705,14 +757,13 @@ def test_a_draining_gateway_refuses_new_work_and_relays_the_rest(tmp_path: Path)
 
 def test_requests_in_flight_per_client_are_limited(tmp_path: Path) -> None:
     fake = FakeWorker(f"ipc://{tmp_path}/fake.sock")
-    fake.tick = 0.05
     fake.start()
     cfg = GatewayConfig(
         bind=f"ipc://{tmp_path}/gw.sock",
         workers=(fake.endpoint,),
-        health_interval_ms=50,
-        down_after_ms=400,
-        stall_after_ms=600,
+        health_interval_ms=HEALTH_MS,
+        down_after_ms=DOWN_AFTER_MS,
+        stall_after_ms=STALL_AFTER_MS,
         max_inflight_per_client=2,
     )
     gateway = Gateway(cfg)
@@ -720,28 +771,38 @@ def test_requests_in_flight_per_client_are_limited(tmp_path: Path) -> None:
     thread = threading.Thread(target=gateway.serve_forever, daemon=True)
     thread.start()
     try:
+        wait_ms = int(WAIT_S * 1000)
         with (
-            Client(gateway.endpoint, timeout_ms=10_000) as a,
-            Client(gateway.endpoint, timeout_ms=10_000) as b,
+            Client(gateway.endpoint, timeout_ms=wait_ms) as a,
+            Client(gateway.endpoint, timeout_ms=wait_ms) as b,
         ):
-            _until(lambda: bool(a.call("gateway_status").result["workers"][0]["up"]))
+            wait_until(
+                lambda: a.call("gateway_status").result["workers"][0]["up"], what="worker up"
+            )
+            fake.streams_open.clear()  # a's two streams stay in flight until we say
             first = [a.send("generate", None, {"max_tokens": 10}) for _ in range(2)]
             with pytest.raises(SkiffError) as err:
                 a.call("generate", None, {"max_tokens": 1})
             assert err.value.code == "limit_exceeded" and "--max-inflight-per-client" in str(
                 err.value
             )
-            assert list(b.follow(b.send("generate", None, {"max_tokens": 1})))  # others go on
+            other = b.send("generate", None, {"max_tokens": 1})  # others go on
+            wait_until(lambda: len(fake.ops("generate")) == 3, what="b's request forwarded")
+            fake.streams_open.set()
+            assert list(b.follow(other))[-1].header["finish_reason"] == "length"
             for rid in first:
                 assert list(a.follow(rid))[-1].header["finish_reason"] == "length"
             assert list(a.follow(a.send("generate", None, {"max_tokens": 1})))  # room again
         opts = SocketOptions(max_message_bytes=-1, routing_id=trusted)
-        with Client(gateway.endpoint, timeout_ms=10_000, options=opts) as front:
+        with Client(gateway.endpoint, timeout_ms=wait_ms, options=opts) as front:
+            fake.streams_open.clear()  # all four in flight at once
             ids = [front.send("generate", None, {"max_tokens": 3}) for _ in range(4)]
+            wait_until(lambda: len(fake.ops("generate")) == 8, what="the front's 4 forwarded")
+            fake.streams_open.set()
             for rid in ids:  # the in-process HTTP front carries many clients: not limited
                 assert list(front.follow(rid))[-1].header["finish_reason"] == "length"
     finally:
         gateway.stop()
-        thread.join(5)
+        thread.join(WAIT_S)
         gateway.close()
         fake.stop()
