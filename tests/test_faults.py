@@ -14,8 +14,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import psutil
 import pytest
 import zmq
 
-from conftest import start_worker, stop_worker
+from conftest import WAIT_S, start_worker, stop_worker, wait_until
 from protocol import Client, SkiffError, envelope
 from protocol.codec import encode
 
@@ -44,16 +43,11 @@ def worker(
     stop_worker(proc)
 
 
-def _until(cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
-    """Wait for a condition (a bound on a hang, not a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
-        time.sleep(0.05)
+WAIT_MS = int(WAIT_S * 1000)
 
 
 def _stats(endpoint: str) -> dict[str, Any]:
-    with Client(endpoint, timeout_ms=20_000) as c:
+    with Client(endpoint, timeout_ms=WAIT_MS) as c:
         return c.stats()
 
 
@@ -62,12 +56,14 @@ def _idle(endpoint: str) -> bool:
     return s["running"] == 0 and s["queued"] == 0 and s["lanes"]["active"] == 0
 
 
-def _stream(endpoint: str, args: dict[str, Any], out: dict[str, Any]) -> None:
+def _stream(
+    endpoint: str, args: dict[str, Any], out: dict[str, Any], session: str | None = None
+) -> None:
     """Follow one streaming generate; ``out`` gets its events and end."""
     out["events"] = 0
     try:
-        with Client(endpoint, timeout_ms=60_000) as c:
-            rid = c.send("generate", None, {**args, "stream": True})
+        with Client(endpoint, timeout_ms=WAIT_MS) as c:
+            rid = c.send("generate", session, {**args, "stream": True})
             for reply in c.follow(rid):
                 out["events"] += 1
                 out["last"] = reply.header
@@ -75,12 +71,19 @@ def _stream(endpoint: str, args: dict[str, Any], out: dict[str, Any]) -> None:
         out["error"] = exc
 
 
-def _start_stream(endpoint: str, args: dict[str, Any]) -> tuple[threading.Thread, dict[str, Any]]:
+def _start_stream(
+    endpoint: str, args: dict[str, Any], session: str | None = None
+) -> tuple[threading.Thread, dict[str, Any]]:
     out: dict[str, Any] = {}
-    t = threading.Thread(target=_stream, args=(endpoint, args, out), daemon=True)
+    t = threading.Thread(target=_stream, args=(endpoint, args, out, session), daemon=True)
     t.start()
-    _until(lambda: out.get("events", 0) >= 2 or "error" in out, what="stream started")
+    wait_until(lambda: out.get("events", 0) >= 2 or "error" in out, what="stream started")
     return t, out
+
+
+def _ended(t: threading.Thread) -> None:
+    t.join(WAIT_S)
+    assert not t.is_alive(), "the stream did not end"
 
 
 LONG = {"prompt": "Count from one to a thousand:", "ignore_eos": True}
@@ -92,12 +95,12 @@ LONG = {"prompt": "Count from one to a thousand:", "ignore_eos": True}
 def test_a_client_gone_mid_stream_has_its_work_cancelled(worker: Any) -> None:
     _, ep = worker
     before = _stats(ep)["cancelled"]
-    c = Client(ep, timeout_ms=30_000)
+    c = Client(ep, timeout_ms=WAIT_MS)
     rid = c.send("generate", None, {**LONG, "max_tokens": 480, "stream": True})
     for _ in range(3):
         c.recv(rid).raise_for_error()
     c.close()  # gone without a cancel
-    _until(lambda: _idle(ep), what="lane returned")
+    wait_until(lambda: _idle(ep), what="lane returned")
     assert _stats(ep)["cancelled"] == before + 1
 
 
@@ -116,7 +119,7 @@ def test_a_client_that_never_reads_is_cut_off_and_others_go_on(worker: Any) -> N
     other: dict[str, Any] = {}
     _stream(ep, {**LONG, "max_tokens": 24}, other)
     assert "error" not in other and other["last"]["finish_reason"] == "length"
-    _until(lambda: _idle(ep), what="the sleeper's work cancelled")
+    wait_until(lambda: _idle(ep), what="the sleeper's work cancelled")
     grown = psutil.Process(proc.pid).memory_info().rss - rss_before
     assert grown < 200 << 20, f"RSS grew {grown >> 20} MiB"
     sleeper.close()
@@ -124,7 +127,7 @@ def test_a_client_that_never_reads_is_cut_off_and_others_go_on(worker: Any) -> N
 
 def test_cancel_naming_another_clients_request_is_ignored(worker: Any) -> None:
     _, ep = worker
-    with Client(ep, timeout_ms=30_000) as owner, Client(ep, timeout_ms=30_000) as other:
+    with Client(ep, timeout_ms=WAIT_MS) as owner, Client(ep, timeout_ms=WAIT_MS) as other:
         rid = owner.send("generate", None, {**LONG, "max_tokens": 12, "stream": True})
         owner.recv(rid).raise_for_error()
         assert other.call("cancel", None, {"id": rid}).result == {"cancelled": False}
@@ -132,7 +135,7 @@ def test_cancel_naming_another_clients_request_is_ignored(worker: Any) -> None:
         for reply in owner.follow(rid):
             last = reply.header
         assert last is not None and last["finish_reason"] == "length"
-    _until(lambda: _idle(ep), what="idle")
+    wait_until(lambda: _idle(ep), what="idle")
 
 
 # -- engine faults ---------------------------------------------------------------
@@ -142,7 +145,7 @@ def test_an_exhausted_kv_cache_fails_only_the_request_that_does_not_fit(worker: 
     """llama.cpp itself refuses (no KV slot): the stream beside it goes on and
     every session's position stays what the engine holds."""
     _, ep = worker
-    with Client(ep, timeout_ms=60_000) as c:
+    with Client(ep, timeout_ms=WAIT_MS) as c:
         text = "The quick brown fox jumps over the lazy dog, again and again. " * 30
         toks = c.tokenize(text)[:400]
         assert len(toks) == 400
@@ -152,7 +155,7 @@ def test_an_exhausted_kv_cache_fails_only_the_request_that_does_not_fit(worker: 
         with pytest.raises(SkiffError) as err:
             c.prefill("c", toks[:300])  # its first chunk: 400 + 400 + 256 > 1024 cells
         assert err.value.code == "internal" and "KV" in err.value.message
-        t.join(60)
+        _ended(t)
         assert "error" not in stream and stream["last"]["finish_reason"] == "length"
         sessions = {s["session"]: s["position"] for s in c.stats()["sessions"]}
         assert sessions == {"a": 400, "b": 400, "c": 0}  # nothing of c landed
@@ -162,27 +165,36 @@ def test_an_exhausted_kv_cache_fails_only_the_request_that_does_not_fit(worker: 
         assert c.decode("a", toks[0])["position"] == 401
         for s in ("a", "c"):
             c.drop(s)
-    _until(lambda: _idle(ep), what="idle")
+    wait_until(lambda: _idle(ep), what="idle")
 
 
 # -- graceful drain -----------------------------------------------------------------
 
 
 def test_sigterm_finishes_accepted_streams_refuses_new_work_and_exits_0(worker: Any) -> None:
+    """Three accepted streams run to their end after SIGTERM. The checks of the
+    draining worker need it alive, so it is kept so by accepted work that
+    cannot end before the test lets it: a generation queued for a lane while
+    named sessions hold all four (the streams' own, and ``hold``)."""
     proc, ep = worker
-    streams = [_start_stream(ep, {**LONG, "max_tokens": 48}) for _ in range(3)]
-    proc.send_signal(signal.SIGTERM)
-    with Client(ep, timeout_ms=20_000) as c:
-        _until(lambda: bool(c.stats()["draining"]), what="draining")
+    streams = [_start_stream(ep, {**LONG, "max_tokens": 48}, session=f"drain{i}") for i in range(3)]
+    with Client(ep, timeout_ms=WAIT_MS) as c:
+        c.prefill("hold", [2, 3])
+        keeper = c.send("generate", None, {"prompt": "kept", "max_tokens": 2, "stream": False})
+        wait_until(lambda: c.stats()["queued"] == 1, what="the keeper queued for a lane")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: c.stats()["draining"], what="draining")
         with pytest.raises(SkiffError) as err:
             c.call("generate", None, {"prompt": "late", "max_tokens": 2, "stream": False})
         assert err.value.code == "shutting_down" and (err.value.retry_after_ms or 0) > 0
         assert c.ping()["pong"]
+        assert c.drop("hold") == {}  # served while draining: the keeper gets its lane
+        assert c.recv(keeper).raise_for_error().result["usage"]["completion_tokens"] == 2
     for t, out in streams:
-        t.join(60)
+        _ended(t)
         assert "error" not in out, out
         assert out["last"]["finish_reason"] == "length" and out["events"] == 49
-    assert proc.wait(30) == 0
+    assert proc.wait(WAIT_S) == 0
 
 
 def test_the_drain_timeout_cancels_the_rest_with_a_final_event(tmp_path: Path) -> None:
@@ -192,10 +204,10 @@ def test_the_drain_timeout_cancels_the_rest_with_a_final_event(tmp_path: Path) -
     try:
         t, out = _start_stream(ep, {**LONG, "max_tokens": 2000})
         proc.send_signal(signal.SIGTERM)
-        t.join(30)
+        _ended(t)
         assert "error" not in out, out
         assert out["last"]["done"] and out["last"]["finish_reason"] == "cancelled"
-        assert proc.wait(30) == 0
+        assert proc.wait(WAIT_S) == 0
         assert "drain_timeout" in log.read_text()
     finally:
         stop_worker(proc)
