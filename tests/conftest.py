@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from protocol import Client, SkiffError
+from protocol import Client, SkiffError, sockets
 from worker.models import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +51,32 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not reached within {timeout_s:g} s (last: {value!r})")
         time.sleep(interval_s)
+
+
+def send_and_get_cut_off(endpoint: str, *messages: list[bytes]) -> None:
+    """Send each message on a fresh connection and wait until the server has
+    dropped that connection once per message: what a frame over its
+    MAXMSGSIZE earns (the DEALER reconnects and sends the next one).
+
+    Returns only when the server has seen every message, so what a test
+    checks next (RSS, ``ping``) is checked after the fact, not after a guess.
+    """
+    opts = sockets.SocketOptions(max_message_bytes=-1, sndhwm=len(messages) + 1)
+    sock = sockets.dealer(zmq.Context.instance(), endpoint, opts, connect=False)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        sock.connect(endpoint)
+        for frames in messages:
+            sock.send_multipart(frames, copy=False)
+        for i in range(len(messages)):
+            assert monitor.poll(int(WAIT_S * 1000)), (
+                f"connection not dropped ({i} of {len(messages)})"
+            )
+            recv_monitor_message(monitor)
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
 
 
 def start_worker(

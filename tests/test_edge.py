@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,14 @@ import psutil
 import pytest
 import zmq
 
+from conftest import WAIT_S, send_and_get_cut_off
 from edge.logs import safe_json
 from faults import ErrorCode
 from protocol import Client, SkiffError, codec
-from protocol.sockets import SocketOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
+WAIT_MS = int(WAIT_S * 1000)
 Proc = tuple[subprocess.Popen[bytes], str, Path]
 
 
@@ -48,7 +48,7 @@ def _nested_map(depth: int) -> bytes:
 
 def _reply(client: Client, frames: list[bytes]) -> dict[str, Any]:
     client.send_raw(frames)
-    return client.recv_any(30_000).header
+    return client.recv_any(WAIT_MS).header
 
 
 def _code(header: dict[str, Any]) -> str | None:
@@ -120,16 +120,16 @@ def test_only_the_integer_1_is_version_1(client: Client, version: Any) -> None:
 def test_peer_that_hangs_up_with_an_odd_session_cannot_kill_the_worker(
     worker: tuple[str, Path],
 ) -> None:
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()  # its own: term() returns once every message is sent
     for _ in range(20):
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.LINGER, WAIT_MS)
         sock.connect(worker[0])
         header = {"v": 1, "id": 1, "op": "ping", "session": {b"k": 1}}
         sock.send(msgpack.packb(header, use_bin_type=True))
         sock.close()  # gone before the reply
-    time.sleep(0.3)
-    with Client(worker[0], timeout_ms=10_000) as c:
+    ctx.term()  # all 20 handed to the worker's connections, not a guessed pause
+    with Client(worker[0], timeout_ms=WAIT_MS) as c:
         assert c.ping() == {"pong": True}
 
 
@@ -217,12 +217,9 @@ def test_300_mib_message_is_dropped_by_the_socket(
 ) -> None:
     before = _rss(worker_process)
     big = bytes(300 * MiB)
-    with Client(worker[0], options=SocketOptions(max_message_bytes=-1, sndhwm=4)) as c:
-        c.send_raw([msgpack.packb({"v": 1, "id": 1, "op": "ping"}), big])
-        c.send_raw([big])
-        time.sleep(2.0)
+    send_and_get_cut_off(worker[0], [msgpack.packb({"v": 1, "id": 1, "op": "ping"}), big], [big])
     del big
-    with Client(worker[0], timeout_ms=10_000) as c:
+    with Client(worker[0], timeout_ms=WAIT_MS) as c:
         assert c.ping() == {"pong": True}
     grown = _rss(worker_process) - before
     assert grown < 64 * MiB, f"RSS grew {grown / MiB:.0f} MiB"
@@ -247,7 +244,7 @@ def test_log_renderer_writes_strict_json() -> None:
 def test_worker_log_is_strict_json_after_the_attacks(worker: tuple[str, Path]) -> None:
     with Client(worker[0]) as c:
         c.send_raw([msgpack.packb({"v": 1, "id": float("nan"), "op": float("nan")})])
-        c.recv_any(10_000)
+        c.recv_any(WAIT_MS)
         c.send_raw(
             [
                 msgpack.packb(
@@ -260,7 +257,7 @@ def test_worker_log_is_strict_json_after_the_attacks(worker: tuple[str, Path]) -
                 )
             ]
         )
-        c.recv_any(10_000)
+        c.recv_any(WAIT_MS)
         assert c.ping() == {"pong": True}
     lines = [x for x in worker[1].read_text().splitlines() if x.startswith("{")]
     assert lines

