@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, stop_worker
+from conftest import ROOT, WAIT_S, stop_worker, wait_until
 from protocol import Client, SkiffError
 from protocol.keys import create
 from protocol.keys import main as keys_main
@@ -33,6 +32,7 @@ from protocol.sockets import Curve, CurveKeyError, is_loopback
 
 SMALL = ("--threads", "1", "--lanes", "2", "--ctx", "2048", "--log-format", "json")
 DENIED_WAIT_MS = 1000  # a reply would come in a few ms; nothing comes at all
+WAIT_MS = int(WAIT_S * 1000)
 
 
 def _free_port() -> int:
@@ -140,7 +140,7 @@ def test_authorised_client_works_and_others_get_nothing(
     secure = workers[0]
     _denied(secure.endpoint, None, "intruder-plain")
     _denied(secure.endpoint, keys.curve("stranger"), "intruder-stranger")
-    with Client(secure.endpoint, timeout_ms=30_000, curve=keys.curve("client")) as c:
+    with Client(secure.endpoint, timeout_ms=WAIT_MS, curve=keys.curve("client")) as c:
         assert c.tokenize("hello")
         assert c.prefill("friend", [2, 3, 4]) == 3
         sessions = [s["session"] for s in c.stats()["sessions"]]
@@ -149,10 +149,12 @@ def test_authorised_client_works_and_others_get_nothing(
     assert not [s for s in sessions if str(s).startswith("intruder")]
     # the denial was logged, with the stranger's key (public, fine to log)
     stranger = Curve.load(keys.secret("stranger")).public_key.decode()
-    denied = [
-        json.loads(line) for line in secure.log().splitlines() if "curve_client_denied" in line
-    ]
-    assert denied and any(d.get("client_key") == stranger for d in denied)
+
+    def denials() -> list[str]:
+        lines = [json.loads(x) for x in secure.log().splitlines() if "curve_client_denied" in x]
+        return [d.get("client_key") for d in lines]
+
+    wait_until(lambda: stranger in denials(), what="the stranger's denial logged")
 
 
 class Capture:
@@ -182,9 +184,17 @@ class Capture:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        time.sleep(0.1)  # the last frames of the exchange
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(WAIT_S)
+        # The exchange is over (its replies came back), so every frame of it
+        # is already queued on this socket (a sent frame is copied to packet
+        # sockets before it reaches its peer): read what is left, no waiting.
+        self.sock.setblocking(False)
+        while True:
+            try:
+                self.data += self.sock.recv(65_536)
+            except BlockingIOError:
+                break
         self.sock.close()
 
 
@@ -210,7 +220,7 @@ def test_loadtest_takes_curve_keys(workers: tuple[Proc, Proc], keys: Keys, tmp_p
 
     out = tmp_path / "load.json"
     argv = ["--endpoint", workers[0].endpoint, "--requests", "2", "--max-tokens", "2"]
-    argv += ["--no-progress", "--json", str(out), "--timeout-ms", "20000"]
+    argv += ["--no-progress", "--json", str(out), "--timeout-ms", str(WAIT_MS)]
     argv += ["--curve-key", keys.secret("client"), "--curve-server-key", keys.public("server")]
     assert loadtest_main(argv) == 0
     assert json.loads(out.read_text())["requests"]["ok"] == 2
@@ -227,27 +237,29 @@ def test_gateway_front_and_worker_links_use_curve(
     args += [*keys.server_flags("gateway"), "--curve-server-key", keys.public("server")]
     gateway = Proc(tmp_path, "gateway", "gateway.cli", _tcp(), *args)
     try:
-        gateway.wait(keys.curve("client", server="gateway"), timeout_s=30)
+        gateway.wait(keys.curve("client", server="gateway"))
         _denied(gateway.endpoint, None)
         with Client(
-            gateway.endpoint, timeout_ms=30_000, curve=keys.curve("client", "gateway")
+            gateway.endpoint, timeout_ms=WAIT_MS, curve=keys.curve("client", "gateway")
         ) as c:
-            deadline = time.monotonic() + 20
-            while True:  # until the gateway's CURVE link to the worker is up
+
+            def tokenize() -> list[int] | None:
                 try:
-                    tokens = c.tokenize("through the gateway")
-                    break
+                    tokens: list[int] = c.tokenize("through the gateway")
+                    return tokens
                 except SkiffError as exc:
-                    assert exc.code == "worker_unavailable" and time.monotonic() < deadline
-                    time.sleep(0.1)
-            assert tokens
+                    assert exc.code == "worker_unavailable", exc
+                    return None
+
+            # until the gateway's CURVE link to the worker is up
+            assert wait_until(tokenize, what="the gateway's link to the worker")
             assert c.call("generate", None, {"prompt": "Hi", "max_tokens": 2, "stream": False})
         # the HTTP front dials the gateway as the gateway itself (its own key)
         body = json.dumps({"model": "skiff", "prompt": "Hello", "max_tokens": 2}).encode()
         request = urllib.request.Request(
             f"http://{http}/v1/completions", body, {"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=WAIT_S) as reply:
             assert reply.status == 200 and json.loads(reply.read())["choices"]
         # the control commands dial it the same way
         status = subprocess.run(
@@ -256,7 +268,7 @@ def test_gateway_front_and_worker_links_use_curve(
             env={**os.environ, "SKIFF_CURVE_SECRET_KEY": keys.secret("gateway")},
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=WAIT_S,
         )
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["workers"][0]["up"]
@@ -290,9 +302,9 @@ def test_two_stage_chain_over_curve(workers: tuple[Proc, Proc], keys: Keys, tmp_
         head.wait(keys.curve("client", "stage0"))
         _denied(eps[1], keys.curve("client", "stage1"))  # not on its list
         args = {"prompt": "The harbour at dawn", "max_tokens": 6, "ignore_eos": True}
-        with Client(workers[0].endpoint, timeout_ms=60_000, curve=keys.curve("client")) as whole:
+        with Client(workers[0].endpoint, timeout_ms=WAIT_MS, curve=keys.curve("client")) as whole:
             want = whole.call("generate", None, {**args, "stream": False}).result["tokens"]
-        with Client(eps[0], timeout_ms=60_000, curve=keys.curve("client", "stage0")) as c:
+        with Client(eps[0], timeout_ms=WAIT_MS, curve=keys.curve("client", "stage0")) as c:
             got = c.call("generate", None, {**args, "stream": False}).result["tokens"]
             info = c.info()
         assert got == want
@@ -355,23 +367,30 @@ def test_head_dials_the_last_stage_with_the_key_it_reports(keys: Keys) -> None:
             servers.append((nxt, thread))
             link = StageLink(nxt.endpoint, head=True, curve=keys.curve("client"))
             try:
-                deadline = time.monotonic() + 10
-                while not link.connected:  # as a stage's turns would notice it
-                    link._drain_monitor()
-                    assert time.monotonic() < deadline
-                    time.sleep(0.02)
+
+                def set_up(link: StageLink = link) -> bool:
+                    """False while the link cannot send yet: connected is not
+                    enough, its CURVE handshake must be done too."""
+                    try:
+                        link._setup_direct()
+                    except StageUnavailable as exc:
+                        if "is not connected" in exc.message:
+                            return False
+                        raise
+                    return True
+
                 if ok:
-                    link._setup_direct()
+                    wait_until(set_up, what="the direct-return socket set up")
                     assert link.direct_endpoint == last.endpoint
                 else:
                     with pytest.raises(StageUnavailable, match="CURVE key"):
-                        link._setup_direct()
+                        wait_until(set_up, what="the last stage's key refused")
             finally:
                 link.close()
     finally:
         for server, thread in servers:
             server.stop()
-            thread.join(5)
+            thread.join(WAIT_S)
             server.close()
 
 
@@ -386,7 +405,7 @@ def test_speech_worker_over_curve(keys: Keys, tmp_path: Path) -> None:
     try:
         speech.wait(keys.curve("client"))
         _denied(speech.endpoint, keys.curve("stranger"))
-        with Client(speech.endpoint, timeout_ms=60_000, curve=keys.curve("client")) as c:
+        with Client(speech.endpoint, timeout_ms=WAIT_MS, curve=keys.curve("client")) as c:
             reply = c.call("synthesize", args={"text": "Hello.", "format": "pcm_s16le"})
             assert sum(len(b) for b in reply.buffers) > 1000
     finally:
