@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +21,15 @@ from typing import Any
 import psutil
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, WAIT_S, wait_until
 from protocol import Client
 
 CLUSTER = ROOT / "scripts" / "cluster"
 SMALL = ("--lanes", "2", "--ctx", "2048")
+WAIT_MS = int(WAIT_S * 1000)
+# ``down`` kills what has not stopped after --grace; the tests that expect a
+# clean stop ("terminated") give a loaded machine all the time it needs.
+GRACE = ("--grace", str(WAIT_S))
 
 
 def _cluster(run_dir: Path, *args: str) -> tuple[int, dict[str, Any], str]:
@@ -40,6 +43,17 @@ def _cluster(run_dir: Path, *args: str) -> tuple[int, dict[str, Any], str]:
     )
     printed = json.loads(out.stdout) if out.stdout.strip() else {}
     return out.returncode, printed, out.stderr
+
+
+def _status(run_dir: Path, healthy: bool = True) -> dict[str, Any]:
+    """``status`` once it says what is asked (its pings wait 1 s each: a
+    loaded machine may need another look, as an operator would take)."""
+
+    def look() -> dict[str, Any] | None:
+        code, status, _ = _cluster(run_dir, "status")
+        return status if (code == 0) == healthy else None
+
+    return wait_until(look, what=f"status {'healthy' if healthy else 'unhealthy'}")
 
 
 def _gone(pid: int) -> bool:
@@ -74,13 +88,13 @@ def test_two_workers_up_status_down(run_dir: Path) -> None:
     assert set(up["processes"]) == {"worker-1", "worker-2"}
     for endpoint in up["workers"]:
         assert endpoint.startswith("tcp://127.0.0.1:")
-        with Client(endpoint, timeout_ms=30_000) as client:
+        with Client(endpoint, timeout_ms=WAIT_MS) as client:
             assert client.ping() is not None
             assert client.stats()["lanes"]["total"] == 2  # --lanes reached the worker
     pids = {name: p["pid"] for name, p in up["processes"].items()}
 
-    code, status, _ = _cluster(run_dir, "status")
-    assert code == 0 and status["running"] is True
+    status = _status(run_dir)
+    assert status["running"] is True
     assert status["workers"] == up["workers"]
     for name, entry in status["processes"].items():
         assert entry["up"] and entry["answering"], name
@@ -90,14 +104,16 @@ def test_two_workers_up_status_down(run_dir: Path) -> None:
 
     os.kill(pids["worker-2"], signal.SIGKILL)
     psutil.Process(pids["worker-1"])  # still there
-    while not _gone(pids["worker-2"]):
-        time.sleep(0.05)
-    code, status, _ = _cluster(run_dir, "status")
-    assert code == 1  # not every process answers
-    assert status["processes"]["worker-2"]["up"] is False
-    assert status["processes"]["worker-1"]["answering"] is True
+    wait_until(lambda: _gone(pids["worker-2"]), what="worker-2 gone")
 
-    code, down, err = _cluster(run_dir, "down")
+    def one_down() -> dict[str, Any] | None:
+        status = _status(run_dir, healthy=False)  # not every process answers
+        return status if status["processes"]["worker-1"]["answering"] else None
+
+    status = wait_until(one_down, what="worker-1 answering beside a dead worker-2")
+    assert status["processes"]["worker-2"]["up"] is False
+
+    code, down, err = _cluster(run_dir, "down", *GRACE)
     assert code == 0, err
     # worker-1 left on SIGTERM alone: a clean stop, not a kill.
     assert down["stopped"] == {"worker-1": "terminated", "worker-2": "not running"}
@@ -148,9 +164,12 @@ def test_down_kills_a_process_that_ignores_sigterm(run_dir: Path) -> None:
     )
     cluster.launch(proc)
     cluster.save_state(run_dir, [proc])
-    while not ready.exists():  # SIGTERM is ignored from here on
+
+    def ready_or_dead() -> bool:  # SIGTERM is ignored once ready exists
         assert not _gone(proc.pid), (run_dir / "logs" / "stubborn.log").read_text()
-        time.sleep(0.05)
+        return ready.exists()
+
+    wait_until(ready_or_dead, what="the stubborn process ready")
 
     code_, down, err = _cluster(run_dir, "down", "--grace", "0.5")
     assert code_ == 0, err
@@ -164,19 +183,19 @@ def test_gateway_topology_up_status_down(run_dir: Path) -> None:
     assert code == 0, err
     assert set(up["processes"]) == {"worker-1", "worker-2", "speech", "gateway"}
     assert up["gateway"].startswith("tcp://127.0.0.1:") and up["http"].startswith("http://")
-    with Client(up["gateway"], timeout_ms=60_000) as client:
+    with Client(up["gateway"], timeout_ms=WAIT_MS) as client:
         client.ping()
         events = list(client.generate({"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}))
         assert events[-1].done and events[-1].header["ok"], events[-1].header
-    with urllib.request.urlopen(f"{up['http']}/health", timeout=10) as reply:
+    with urllib.request.urlopen(f"{up['http']}/health", timeout=WAIT_S) as reply:
         assert reply.status == 200
-    with Client(up["speech"][0], timeout_ms=30_000) as client:
+    with Client(up["speech"][0], timeout_ms=WAIT_MS) as client:
         client.ping()
 
-    code, status, _ = _cluster(run_dir, "status")
-    assert code == 0 and status["processes"]["gateway"]["health"] == 200
+    status = _status(run_dir)
+    assert status["processes"]["gateway"]["health"] == 200
     pids = [p["pid"] for p in up["processes"].values()]
-    code, down, err = _cluster(run_dir, "down")
+    code, down, err = _cluster(run_dir, "down", *GRACE)
     assert code == 0, err
     assert set(down["stopped"].values()) == {"terminated"}
     assert all(_gone(pid) for pid in pids)
