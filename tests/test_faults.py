@@ -180,7 +180,8 @@ def test_sigterm_finishes_accepted_streams_refuses_new_work_and_exits_0(worker: 
     streams = [_start_stream(ep, {**LONG, "max_tokens": 48}, session=f"drain{i}") for i in range(3)]
     with Client(ep, timeout_ms=WAIT_MS) as c:
         c.prefill("hold", [2, 3])
-        keeper = c.send("generate", None, {"prompt": "kept", "max_tokens": 2, "stream": False})
+        kept = {"prompt": "kept", "max_tokens": 2, "ignore_eos": True, "stream": False}
+        keeper = c.send("generate", None, kept)
         wait_until(lambda: c.stats()["queued"] == 1, what="the keeper queued for a lane")
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: c.stats()["draining"], what="draining")
