@@ -18,7 +18,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import wave
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ import pytest
 import zmq
 from openai.types.chat import ChatCompletionMessageParam
 
+from conftest import WAIT_S, wait_until
 from gateway.http import HttpFront
 from gateway.openai_errors import ApiError, from_skiff
 from gateway.openai_media import speech_args
@@ -51,7 +51,7 @@ def _client(front: HttpFront) -> openai.OpenAI:
 def _raw(
     front: HttpFront, method: str, path: str, body: Any = None
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=WAIT_S)
     data = None if body is None else json.dumps(body)
     conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
     return conn, conn.getresponse()
@@ -216,9 +216,7 @@ def test_client_disconnect_cancels_the_generation(front: HttpFront, worker: Any)
         conn, resp = _raw(front, "POST", "/v1/completions", {**body, "temperature": 0})
         assert resp.readline().startswith(b"data: ")  # the stream is running
         conn.close()
-        deadline = time.monotonic() + 30
-        while skiff.stats()["cancelled"] == before and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: skiff.stats()["cancelled"] != before, what="the generation cancelled")
         stats = skiff.stats()
     assert stats["cancelled"] == before + 1  # not 400 tokens decoded for nobody
 
@@ -382,12 +380,9 @@ def test_lost_upstream_ends_requests_in_flight_with_503(tmp_path: Path) -> None:
     asker = threading.Thread(target=ask)
     asker.start()
     try:
-        deadline = time.monotonic() + 30
-        while "generate" not in fake.ops and time.monotonic() < deadline:
-            time.sleep(0.01)  # until the request reached the upstream
-        assert "generate" in fake.ops
+        wait_until(lambda: "generate" in fake.ops, what="the request reached the upstream")
         fake.close()  # the upstream process goes away with the request unanswered
-        asker.join(60)
+        asker.join(WAIT_S)
         assert not asker.is_alive() and [e.status_code for e in failure] == [503]
         assert failure[0].body["code"] == "worker_unavailable"  # type: ignore[index]
     finally:
@@ -494,7 +489,7 @@ def speech_front(
     yield http_front
     http_front.stop()
     proc.terminate()
-    proc.wait(10)
+    proc.wait(WAIT_S)
 
 
 def test_audio_speech_wav_and_pcm(speech_front: HttpFront) -> None:
