@@ -6,7 +6,6 @@ greedy tokens while moving logits by several units)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import start_worker, stop_worker
+from conftest import WAIT_S, start_worker, stop_worker, wait_until
 from protocol import Client, SkiffError
 from worker.stage.slicer import slice_model, validate
 
@@ -255,20 +254,22 @@ def test_killing_the_last_stage_ends_streams_with_stage_unavailable(tmp_path: Pa
     p1, e1, _ = start_worker(tmp_path, *args, "--layers", "9:18", name="k1")
     p0, e0, _ = start_worker(tmp_path, *args, "--layers", "0:9", "--next", e1, name="k0")
     try:
-        with Client(e0, timeout_ms=30_000) as head:
+        with Client(e0, timeout_ms=int(WAIT_S * 1000)) as head:
             events: list[Any] = []
             req = head.send(
                 "generate", None, {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
             )
             events.append(head.recv(req))  # first token: the chain works
             p1.kill()
-            killed = time.monotonic()
             while True:
-                reply = head.recv(req, timeout_ms=10_000)
+                reply = head.recv(req)
                 if not reply.header.get("ok") or reply.done:
                     break
-            assert time.monotonic() - killed < 2.0
             assert reply.header["error"]["code"] == "stage_unavailable"
+            # told by the dropped connection ("went away" while a forward was out,
+            # "not connected" at the next send), not by a forward timing out
+            why = reply.header["error"]["message"]
+            assert "went away" in why or "is not connected" in why, why
             assert head.ping()["pong"]
             with pytest.raises(SkiffError) as err:
                 head.call("generate", None, {"prompt": "x", "max_tokens": 2, "stream": False})
@@ -276,18 +277,18 @@ def test_killing_the_last_stage_ends_streams_with_stage_unavailable(tmp_path: Pa
             # the stage comes back: new chain work runs again
             p1, e1b, _ = start_worker(tmp_path, *args, "--layers", "9:18", name="k1")
             assert e1b == e1
-            deadline = time.monotonic() + 10
-            while True:
+
+            def generated() -> list[int] | None:
                 try:
-                    r = head.call(
-                        "generate", None, {"prompt": PROMPT, "max_tokens": 3, "stream": False}
-                    )
-                    break
+                    args = {"prompt": PROMPT, "max_tokens": 3, "stream": False}
+                    tokens: list[int] = head.call("generate", None, args).result["tokens"]
+                    return tokens
                 except SkiffError as exc:
-                    if exc.code != "stage_unavailable" or time.monotonic() > deadline:
+                    if exc.code != "stage_unavailable":
                         raise
-                    time.sleep(0.2)
-            assert r.result["tokens"]
+                    return None
+
+            assert wait_until(generated, what="the chain working again")
     finally:
         stop_worker(p0)
         stop_worker(p1)
