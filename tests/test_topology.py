@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, stop_worker
+from conftest import ROOT, WAIT_S, stop_worker, wait_until
 from loadtest import run_load
 from protocol import Client, SkiffError
 from worker.models import cache_dir
@@ -117,7 +117,7 @@ def _start(
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 2 * WAIT_S
     with Client(endpoint, timeout_ms=500) as client:
         while True:
             try:
@@ -185,10 +185,18 @@ def test_compose_health_check_and_metrics(topology: dict[str, str], name: str) -
     # The health-check command compose runs in the container, against this process.
     code = topology[f"{name}/health"]
     assert topology.get(f"{name}/http", topology[name]) in code
-    check = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert check.returncode == 0, check.stderr
+
+    # Its ping waits 2 s, and compose retries it: so does this test, on a
+    # loaded machine, until it passes (the command, not the bound, is tested).
+    def check() -> subprocess.CompletedProcess[str] | None:
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S
+        )
+        return done if done.returncode == 0 else None
+
+    wait_until(check, what=f"the {name} health check passing")
     # SKIFF_METRICS_PORT, set for every service, makes each process serve Prometheus text.
-    with urllib.request.urlopen(topology[f"{name}/metrics"], timeout=10) as reply:
+    with urllib.request.urlopen(topology[f"{name}/metrics"], timeout=WAIT_S) as reply:
         assert reply.status == 200
         assert b"# TYPE" in reply.read()
 
@@ -197,25 +205,28 @@ def test_gateway_finds_every_worker_compose_lists(topology: dict[str, str]) -> N
     # SKIFF_GATEWAY_WORKERS / _SPEECH name the services; here they point at the
     # local stand-ins, and the gateway must mark every one up (it pings them).
     wanted = {topology["worker-1"], topology["worker-2"], topology["speech"]}
-    deadline = time.monotonic() + 30
-    while True:
-        with Client(topology["gateway"]) as c:
-            status = c.call("gateway_status").result
-        up = {w["endpoint"]: w["kind"] for w in status["workers"] if w["up"]}
-        if set(up) == wanted or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert set(up) == wanted, status["workers"]
+
+    def status() -> dict[str, Any]:
+        with Client(topology["gateway"], timeout_ms=int(WAIT_S * 1000)) as c:
+            result: dict[str, Any] = c.call("gateway_status").result
+            return result
+
+    def all_up() -> dict[str, Any] | None:
+        now = status()
+        return now if {w["endpoint"] for w in now["workers"] if w["up"]} == wanted else None
+
+    found = wait_until(all_up, what="every worker up")
+    up = {w["endpoint"]: w["kind"] for w in found["workers"] if w["up"]}
     assert up[topology["speech"]] != up[topology["worker-1"]]  # told apart
-    assert status["policy"] == "cache_aware"
+    assert found["policy"] == "cache_aware"
 
 
 def _wait_for_health(url: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
+    def healthy() -> bool:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5):
-                return
+            with urllib.request.urlopen(f"{url}/health", timeout=WAIT_S):
+                return True
         except OSError:  # HTTPError (503) included
-            assert time.monotonic() < deadline, "gateway /health never answered 200"
-            time.sleep(0.2)
+            return False
+
+    wait_until(healthy, what="gateway /health answering 200")
