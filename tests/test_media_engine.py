@@ -12,7 +12,6 @@ touched, and that the same image gives the same logits in any lane.
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -63,10 +62,8 @@ def _positions(engine: Engine) -> list[tuple[int, int]]:
     return [(engine.pos_min(s), engine.pos_max(s)) for s in range(engine.n_seq)]
 
 
-def test_generator_is_small_deterministic_and_fast(tmp_path: Path) -> None:
-    t0 = time.perf_counter()
+def test_generator_is_small_and_deterministic(tmp_path: Path) -> None:
     a = make_mmproj.write_test_projector(tmp_path / "a.gguf")
-    assert time.perf_counter() - t0 < 2.0
     b = make_mmproj.write_test_projector(tmp_path / "b.gguf")
     assert a.read_bytes() == b.read_bytes()
     assert a.stat().st_size < 10 << 20

@@ -687,7 +687,10 @@ def test_expired_deadline_ends_queued_and_running_jobs() -> None:
 
 
 def test_admission_timeout_applies_to_jobs_waiting_for_a_lane() -> None:
-    h = Harness(lanes=1, admission_timeout_ms=1000)
+    # The scheduler reads the real clock: jobs "waited" by moving their receipt
+    # an hour back, and ``fresh`` has ten minutes before it would expire, so a
+    # slow machine between its submit and the turn changes nothing.
+    h = Harness(lanes=1, admission_timeout_ms=600_000)
     running = h.submit(h.generate(session="s", max_tokens=50))
     h.turn()
     running.ticket.received -= 3600  # running: admission is over for it
