@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import struct
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 from media_images import TOKENS_PER_IMAGE, make_mmproj, png, rgb
 
-from conftest import start_worker, stop_worker
+from conftest import WAIT_S, start_worker, stop_worker, wait_until
 from protocol import Client, SkiffError
 from worker.chat import FALLBACK_TEMPLATE, ChatTemplate
 from worker.speculative import lookup_draft
@@ -381,10 +380,12 @@ def test_cancel_part_way_leaves_the_session_where_it_was(
     long_text = " word" * 900  # ~7 prefill pieces after the image
     args = {"prompt": f"{marker}{long_text}", "media": [{"buffer": 0}]}
     rid = mc.send("prefill_media", "cut", args, [IMAGE])
-    with Client(media_worker[0], timeout_ms=30_000) as watcher:
-        deadline = time.monotonic() + 30
-        while lanes(watcher).get("cut", (0, 0))[1] <= len(head):  # the image has landed
-            assert time.monotonic() < deadline, "the media prefill never started"
+    with Client(media_worker[0], timeout_ms=int(WAIT_S * 1000)) as watcher:
+        wait_until(
+            lambda: lanes(watcher).get("cut", (0, 0))[1] > len(head),
+            what="the image landed",
+            interval_s=0.005,  # the text after it is a few turns: cancel soon after
+        )
         mc.call("cancel", None, {"id": rid})
     reply = mc.recv(rid)
     assert not reply.header["ok"], "the prefill finished before its cancel (text too short)"
