@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT, start_worker, stop_worker
+from conftest import ROOT, WAIT_S, start_worker, stop_worker
 from edge import EdgeConfig, EdgeServer, Outgoing, Request
 from edge.metrics import EdgeMetrics, new_registry, serve
 from protocol import Client, SkiffError, codec
@@ -42,7 +42,7 @@ def parse(text: str) -> Samples:
 
 
 def scrape(port: int) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as resp:
         assert resp.status == 200
         return parse(resp.read().decode())
 
@@ -204,14 +204,14 @@ def toy_server(tmp_path: Path) -> Iterator[tuple[str, int]]:
     thread.start()
     yield server.endpoint, exporter.port
     server.stop()
-    thread.join(10)
+    thread.join(WAIT_S)
     server.close()
     exporter.close()
 
 
 def test_edge_server_reports_every_request(toy_server: tuple[str, int]) -> None:
     endpoint, port = toy_server
-    with Client(endpoint, timeout_ms=10_000) as c:
+    with Client(endpoint, timeout_ms=int(WAIT_S * 1000)) as c:
         assert c.ping()["pong"]
         events = list(c.stream("count", args={"n": 4}))
         assert len(events) == 5
@@ -353,13 +353,13 @@ def test_speech_worker_serves_metrics(tmp_path: Path) -> None:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         with Client(endpoint, timeout_ms=60_000) as c:
-            c.wait_ready(90, alive=lambda: proc.poll() is None)
+            c.wait_ready(2 * WAIT_S, alive=lambda: proc.poll() is None)
             reply = c.call("synthesize", args={"text": "Hello there.", "format": "pcm_s16le"})
             seconds = reply.result["sample_count"] / reply.result["sample_rate"]
         s = scrape(port)
     finally:
         proc.terminate()
-        proc.wait(15)
+        proc.wait(WAIT_S)
     assert value(s, "skiff_requests_total", op="synthesize") == 1
     assert value(s, "skiff_responses_total", op="synthesize", code="ok") == 1
     assert value(s, "skiff_request_duration_seconds_count", op="synthesize") == 1
