@@ -598,7 +598,7 @@ def soak(args: argparse.Namespace, out: Path, topo: Topology, watched: list[Watc
     sampler_thread = threading.Thread(target=sampler.run, name="sampler", daemon=True)
     sampler_thread.start()
     actors = [
-        Actor(i, topo, tally, owned, stop, seed=args.seed * 1000 + i)
+        Actor(i, topo, tally, owned, stop, seed=args.seed * 1000 + i, actors=args.concurrency)
         for i in range(args.concurrency)
     ]
     threads = [threading.Thread(target=a.run, name=f"actor-{a.index}", daemon=True) for a in actors]

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -50,22 +49,23 @@ def _soak_module() -> ModuleType:
     return module
 
 
-@pytest.mark.timeout(300)
+# About 80 s idle (start-up, the minute, settling); the bound is for a hang
+# on a loaded machine, not a figure.
+@pytest.mark.timeout(900)
 def test_one_minute_soak_leaves_no_stuck_lanes_and_no_unexpected_errors(tmp_path: Path) -> None:
     out = tmp_path / "soak"
     cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--minutes", "1", "--out", str(out)]
     cmd += ["--workers", "2", "--lanes", "4", "--ctx", "2048", "--concurrency", "4"]
-    started = time.monotonic()
     done = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=840, stdin=subprocess.DEVNULL
     )
-    elapsed = time.monotonic() - started
     tail = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.returncode == 0, tail
     assert "stuck lanes: 0 (bar 0)" in done.stdout and "PASS" in done.stdout, tail
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["passed"] and summary["misses"] == []
+    assert summary["config"]["minutes"] == 1 and summary["load_s"] >= 60  # the whole minute
     assert summary["stuck_lanes"] == 0 and summary["not_idle"] == []
     for name, lanes in summary["lanes"].items():
         assert lanes["lanes_consistent"] and lanes["stuck_sessions"] == [], name
@@ -76,14 +76,19 @@ def test_one_minute_soak_leaves_no_stuck_lanes_and_no_unexpected_errors(tmp_path
     assert load["unexpected_by_code"] == {} and load["checks_failed"] == {}, load
     assert set(load["errors_by_code"]) <= EXPECTED_CODES, load["errors_by_code"]
     assert load["tokens"] > 0
-    # Every kind of traffic ran (the weights make each one likely many times a minute).
+    # Every kind of traffic ran (each actor opens with one of every action).
     ran = {name for name, n in load["actions"].items() if n > 0}
     wanted = {"generate", "chat", "verify", "frames", "migrate", "cancel", "disconnect"}
     assert wanted | {"bad_input", "speech"} <= ran, load["actions"]
 
     # Sampled from outside (psutil) and inside (stats.process) for every process.
     samples = summary["samples"]
-    assert len(samples) >= 20
+    interval = summary["config"]["sample_s"]
+    stamps = [s["t"] for s in samples if s["phase"] == "load"]
+    # through the whole load (each sample waits for every process's stats: how
+    # many fit in a minute is the machine's business), and after it
+    assert len(stamps) >= 3 and stamps[0] <= interval and stamps[-1] >= 60, stamps
+    assert any(s["phase"] == "settle" for s in samples)
     for name in summary["alive"]:
         seen = [s["procs"][name] for s in samples if name in s["procs"]]
         assert all(e["rss"] and e["rss"] > 10 * 2**20 for e in seen), name
@@ -97,7 +102,6 @@ def test_one_minute_soak_leaves_no_stuck_lanes_and_no_unexpected_errors(tmp_path
 
     png = (out / "soak.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
-    assert elapsed < 150, f"the 1-minute soak took {elapsed:.0f} s"
 
 
 def test_warmup_windows_and_growth() -> None:
