@@ -358,17 +358,27 @@ def test_sessions_per_peer_over_the_socket(client: Client, small: str) -> None:
     assert client.stats()["lanes"]["active"] == 0
 
 
-def test_streams_per_peer_over_the_socket(client: Client) -> None:
+def test_streams_per_peer_over_the_socket(client: Client, small: str) -> None:
     args = {"prompt": "Count: 1, 2, 3,", "max_tokens": 12, "ignore_eos": True}
-    first, second, third = (client.send("generate", None, args) for _ in range(3))
-    # all three arrive before the first ends (12 tokens take 12 forwards)
-    reply = client.recv(third)
-    assert reply.header["error"]["code"] == "limit_exceeded"
-    assert reply.header["error"]["message"].endswith("the limit is 2 (--max-streams-per-peer)")
-    assert list(client.follow(first))[-1].header["finish_reason"] == "length"
-    fourth = client.send("generate", None, {**args, "max_tokens": 2})  # the slot came back
-    for rid in (second, fourth):
-        assert list(client.follow(rid))[-1].header["finish_reason"] == "length"
+    # Two other peers hold all four lanes (two sessions each, their limit), so
+    # this peer's first two generations wait queued: neither can end before
+    # the third is judged, however slowly the three arrive.
+    with Client(small, timeout_ms=60_000) as h1, Client(small, timeout_ms=60_000) as h2:
+        for holder, names in ((h1, ("h1", "h2")), (h2, ("h3", "h4"))):
+            for name in names:
+                holder.prefill(name, [2, 10])
+        first, second, third = (client.send("generate", None, args) for _ in range(3))
+        reply = client.recv(third)
+        assert reply.header["error"]["code"] == "limit_exceeded"
+        assert reply.header["error"]["message"].endswith("the limit is 2 (--max-streams-per-peer)")
+        for name in ("h1", "h2"):  # two lanes free: first and second run
+            h1.drop(name)
+        assert list(client.follow(first))[-1].header["finish_reason"] == "length"
+        fourth = client.send("generate", None, {**args, "max_tokens": 2})  # the slot came back
+        for rid in (second, fourth):
+            assert list(client.follow(rid))[-1].header["finish_reason"] == "length"
+        for name in ("h3", "h4"):
+            h2.drop(name)
     stats = client.stats()
     assert stats["running"] == 0 and stats["queued"] == 0 and stats["lanes"]["active"] == 0
 
