@@ -166,7 +166,8 @@ def test_a_peer_cannot_name_an_internal_session(worker: tuple[str, Path]) -> Non
     with Client(worker[0]) as victim, Client(worker[0]) as attacker:
         alone = victim.call("generate", None, args).result["tokens"]
         # Watch an ephemeral generation's name in stats, then claim the next names.
-        req = victim.send("generate", None, {**args, "max_tokens": 64, "stream": True})
+        # (Long enough to be running when stats is asked, however slowly: cancelled.)
+        req = victim.send("generate", None, {**args, "max_tokens": 1800, "stream": True})
         first = victim.recv(req)
         names = [s["session"] for s in victim.stats()["sessions"] if s.get("ephemeral")]
         victim.cancel(req)

@@ -120,7 +120,8 @@ def test_cancel_ends_stream_within_a_turn_and_frees_the_lane(client: Client) -> 
 
 
 def test_cancel_leaves_named_session_consistent(client: Client) -> None:
-    rid = client.send("generate", "kept", {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
+    args = {"prompt": PROMPT, "max_tokens": ENDLESS, "ignore_eos": True}
+    rid = client.send("generate", "kept", args)
     next(client.follow(rid))
     client.cancel(rid)
     done = list(client.follow(rid))[-1].header
