@@ -7,6 +7,10 @@ extensions /proc/cpuinfo reports (AVX2, AVX-512, VNNI, BF16 ...), never AMX.
 That keeps native-class speed and also makes llama-cpp-python's own
 high-level ``Llama`` and server safe (the benchmarks use them).
 
+The source is the package index's sdist with ``llama_patch.EDITS`` applied:
+one runtime switch (``GGML_CPU_BATCH_INVARIANT=1``, which the worker sets)
+that makes every row's result independent of the batch around it.
+
 The wheel is cached under ``$SKIFF_CACHE_DIR/wheels/<key>/`` (default
 ``~/.cache/skiff``) where the key hashes the version and flags, so a fresh
 clone on the same machine reinstalls in seconds and a flag change rebuilds.
@@ -20,7 +24,12 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama_patch
 
 VERSION = "0.3.36"
 # cpuinfo flag -> ggml CMake option
@@ -74,22 +83,16 @@ def build(wheel_dir: Path, args: str) -> Path:
         file=sys.stderr,
     )
     env = {**os.environ, "CMAKE_ARGS": args}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "-v",
-        "--no-deps",
-        "--no-cache-dir",
-        "-w",
-        str(wheel_dir),
-        f"llama-cpp-python=={VERSION}",
-    ]
     with (
         log_path.open("w") as log,
+        tempfile.TemporaryDirectory() as tmp,
         tqdm(total=100, unit="%", desc="llama.cpp build", file=sys.stderr) as bar,
     ):
+        src = llama_patch.patched_sdist(VERSION, Path(tmp), log)
+        cmd = [
+            sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-cache-dir",
+            "-w", str(wheel_dir), str(src),
+        ]  # fmt: skip
         proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -113,7 +116,7 @@ def pip_install(*args: str) -> None:
 
 def main() -> None:
     args = cmake_args()
-    key = hashlib.sha256(f"{VERSION} {args}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{VERSION} {args} {llama_patch.fingerprint()}".encode()).hexdigest()[:12]
     marker = Path(sys.prefix) / f".skiff-llama-{key}"
     if marker.exists():
         return

@@ -19,6 +19,9 @@
 # scripts/build_llama.py never enables AMX). SPR hosts then pick zen4
 # (AVX-512 VBMI/VNNI/BF16), their fastest non-AMX match.
 #
+# The source is the same patched sdist as the tuned build's
+# (scripts/llama_patch.py: the switches the worker sets for exact rows).
+#
 # usage: scripts/build_llama_portable.sh WHEEL_DIR BACKEND_DIR
 #   PYTHON (default python3) runs pip; the version is build_llama.py's VERSION.
 set -euo pipefail
@@ -42,7 +45,10 @@ PYTHON=${PYTHON:-python3}
 mkdir -p "$wheel_dir" "$backend_dir"
 export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_BACKEND_DIR=$backend_dir"
 echo "skiff: building portable llama-cpp-python $version; CMAKE_ARGS=$CMAKE_ARGS" >&2
-"$PYTHON" -m pip wheel --no-deps --no-cache-dir -w "$wheel_dir" "llama-cpp-python==$version"
+src_dir=$(mktemp -d)
+trap 'rm -rf "$src_dir"' EXIT
+src=$("$PYTHON" "$here/llama_patch.py" "$version" "$src_dir" | tail -n 1)
+"$PYTHON" -m pip wheel --no-deps --no-cache-dir -w "$wheel_dir" "$src"
 rm -f "$backend_dir/libggml-cpu-sapphirerapids.so"
 # The baseline variant must be there, or a pre-AVX host would have no CPU backend.
 for variant in x64 haswell; do

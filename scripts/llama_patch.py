@@ -1,0 +1,131 @@
+"""The vendored llama.cpp source skiff builds, with one small patch.
+
+Why a patch: skiff promises that a row's logits do not depend on the batch
+around it (how many lanes share the forward, how a prompt is cut into
+chunks, how many threads run it, where its KV cells sit). ggml's CPU backend
+breaks that in three places, each a speed path that switches on with the
+shape of the batch:
+
+- llamafile's tinyBLAS (``llamafile_sgemm``) takes Q8_0/Q5_0/F16 matmuls of
+  2 or more rows; one row takes ggml's ``vec_dot``. Measured: equal up to 7
+  rows, different from 8.
+- the tiled K-quant matmul (``ggml_compute_forward_mul_mat_tiled``) takes
+  Q4_K/Q6_K matmuls of 8 or more rows.
+- flash attention splits the KV across threads for one query row of one
+  stream once the KV holds 512 cells (``use_split_kv_path``), and tiles 64 or
+  more query rows (``ggml_compute_forward_flash_attn_ext_tiled``): a lone
+  decode past 512 cells, a restored session (fewer cells) and a batched row
+  all reduce in different orders. This is what made a migrated session past
+  the 512-token sliding window continue with other logits.
+
+The patch adds two switches, environment variables read once per process
+(upstream already has ``GGML_CPU_TILED_MM=0`` / ``GGML_CPU_TILED_MM_FORCE=1``
+for the tiled K-quant matmul): ``GGML_CPU_FA_ONE_ROW=1`` sends every query
+row through the one-row flash-attention loop, which walks the live cells in
+order and skips masked ones (so it is blind to the batch, the thread count,
+gaps, padding and the cache's cell count), and ``GGML_CPU_LLAMAFILE=0``
+turns tinyBLAS off for a CPU variant where it rounds differently from
+``vec_dot`` (measured per variant by ``scripts/exactness_matrix.py``; the
+worker sets what the variant it loaded needs, ``worker/engine/kernels.py``).
+Unset, the build behaves exactly like upstream. Each edit must match the
+source exactly once or the build stops: a new llama.cpp version cannot skip
+one silently.
+
+The sdist comes from the package index like any package (``pip download``);
+no other source is fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import IO, Any
+
+FA_ONE_ROW = "GGML_CPU_FA_ONE_ROW"  # 1: flash attention always takes the one-row kernel
+LLAMAFILE = "GGML_CPU_LLAMAFILE"  # 0: no tinyBLAS, ggml's vec_dot for every matmul
+
+_HELPER = f"""
+// skiff: switches for batch-invariant rows, read once (see skiff's scripts/llama_patch.py)
+static inline bool ggml_cpu_skiff_flag(const char * name, int * cached, int unset) {{
+    if (*cached < 0) {{
+        const char * env = getenv(name);
+        *cached = env == NULL ? unset : atoi(env) != 0;
+    }}
+    return *cached == 1;
+}}
+static inline bool ggml_cpu_fa_one_row(void) {{
+    static int cached = -1;
+    return ggml_cpu_skiff_flag("{FA_ONE_ROW}", &cached, 0);
+}}
+static inline bool ggml_cpu_llamafile(void) {{
+    static int cached = -1;
+    return ggml_cpu_skiff_flag("{LLAMAFILE}", &cached, 1);
+}}
+"""
+
+# (file under vendor/llama.cpp, exact text, replacement)
+EDITS: list[tuple[str, str, str]] = [
+    (
+        "ggml/src/ggml-cpu/ggml-cpu-impl.h",
+        "    // use reference implementation\n    bool use_ref;\n};\n",
+        "    // use reference implementation\n    bool use_ref;\n};\n" + _HELPER,
+    ),
+    (
+        "ggml/src/ggml-cpu/ggml-cpu.c",
+        "    if (src1_cont) {\n        for (int64_t i13 = 0; i13 < ne13; i13++)",
+        "    if (src1_cont && ggml_cpu_llamafile()) {\n"
+        "        for (int64_t i13 = 0; i13 < ne13; i13++)",
+    ),
+    (
+        "ggml/src/ggml-cpu/ggml-cpu.c",
+        "    if (src1->type != vec_dot_type) {\n        const void* wdata =",
+        "    if (src1->type != vec_dot_type && ggml_cpu_llamafile()) {\n"
+        "        const void* wdata =",
+    ),
+    (
+        "ggml/src/ggml-cpu/ops.cpp",
+        "    const bool use_ref = params->use_ref;\n",
+        "    const bool use_ref = params->use_ref || ggml_cpu_fa_one_row();\n",
+    ),
+]
+
+
+def fingerprint() -> str:
+    """Changes whenever an edit does (part of the wheel cache key)."""
+    return hashlib.sha256(repr(EDITS).encode()).hexdigest()[:12]
+
+
+def apply(llama_dir: Path) -> None:
+    """Apply every edit to the vendored llama.cpp at ``llama_dir``, or raise."""
+    for rel, old, new in EDITS:
+        path = llama_dir / rel
+        text = path.read_text()
+        if text.count(old) != 1:
+            raise SystemExit(
+                f"skiff: patch does not fit {rel} ({text.count(old)} matches for {old[:60]!r}); "
+                "the vendored llama.cpp changed: review scripts/llama_patch.py"
+            )
+        path.write_text(text.replace(old, new))
+
+
+def patched_sdist(version: str, workdir: Path, log: IO[Any] | None = None) -> Path:
+    """Download, unpack and patch llama-cpp-python ``version``; its source dir."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+         "-d", str(workdir), f"llama-cpp-python=={version}"],
+        check=True, stdout=log, stderr=subprocess.STDOUT if log is not None else None,
+    )  # fmt: skip
+    (sdist,) = workdir.glob("llama_cpp_python-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(workdir, filter="data")
+    (src,) = [p for p in workdir.glob("llama_cpp_python-*") if p.is_dir()]
+    apply(src / "vendor" / "llama.cpp")
+    return src
+
+
+if __name__ == "__main__":
+    # usage: llama_patch.py VERSION WORKDIR  -> prints the patched source dir
+    print(patched_sdist(sys.argv[1], Path(sys.argv[2])))
