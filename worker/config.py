@@ -38,7 +38,7 @@ class WorkerConfig:
     cadence: float = 0.0  # while streams decode, a turn lasts at most this x a decode turn; 0 = off
     max_queue: int = 64
     prefix_cache: int = -1  # idle lanes keeping their tokens for reuse; -1 = all, 0 = off
-    prefix_reuse: str = "exact"  # "exact" (bit-identical to a cold prefill) or "any"
+    kernels: str = "exact"  # "exact": batch-invariant rows; "upstream": llama.cpp's own paths
     admission_timeout_ms: int = 60_000
     session_idle_s: float = 600.0
     max_request_bytes: int = 4 * 1024 * 1024
@@ -101,7 +101,7 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("batch", int, "n_batch: most tokens one llama_decode takes"),
     ("ubatch", int, "n_ubatch: physical micro-batch size"),
     ("threads", int, "compute threads; 0 = all cores"),
-    ("repack", int, "1 = llama.cpp weight repacking (batch-shape-dependent numerics); 0 = off"),
+    ("repack", int, "1 = llama.cpp weight repacking (needs --kernels upstream); 0 = off"),
     ("max-batch-tokens", int, "token budget of one scheduler turn; 0 = batch"),
     ("prefill-chunk", int, "prompt tokens one prefill may add to a turn"),
     (
@@ -117,10 +117,11 @@ _OPTIONS: list[tuple[str, type, str]] = [
         "idle lanes that keep their KV and tokens for prompts sharing a prefix; -1 = all, 0 = off",
     ),
     (
-        "prefix-reuse",
+        "kernels",
         str,
-        "exact: reuse up to a prefill-chunk boundary, bit-identical to a cold prefill; "
-        "any: every shared token (faster; logits may differ slightly, like llama-server)",
+        "exact: every row computed as if alone (logits independent of batch, chunking, "
+        "threads, migration); upstream: llama.cpp's own paths (prefill ~1.8x faster, "
+        "logits depend on the batch, as in llama-server)",
     ),
     ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),
     ("session-idle-s", float, "drop named sessions unused this long (frees lanes of gone peers)"),
@@ -208,8 +209,8 @@ def build_parser(prog: str = "skiff-worker") -> argparse.ArgumentParser:
         extra: dict[str, object] = {}
         if option == "log-format":
             extra["choices"] = LOG_FORMATS
-        if option == "prefix-reuse":
-            extra["choices"] = ("exact", "any")
+        if option == "kernels":
+            extra["choices"] = ("exact", "upstream")
         if option == "frame-dtype":
             extra["choices"] = ("f32", "f16")
         parser.add_argument(
@@ -240,6 +241,11 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
         )
     if cfg.send_hwm < 1:
         raise SystemExit("skiff-worker: --send-hwm must be positive")
+    if cfg.repack and cfg.kernels == "exact":
+        raise SystemExit(
+            "skiff-worker: --repack 1 switches kernels with the batch size; it needs --kernels "
+            "upstream (exact rows are the default)"
+        )
     if cfg.drain_timeout_s < 0:
         raise SystemExit("skiff-worker: --drain-timeout-s must be >= 0")
     if not 0 <= cfg.metrics_port <= 65535:

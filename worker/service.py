@@ -67,7 +67,6 @@ class LlmService:
             # the attention kernels' sums): results would drift from a
             # whole-model worker's. Stages keep no prefix cache.
             0 if stage else cfg.prefix_cache,
-            cfg.prefix_reuse,
             tail=self.link,
             tap_layer=stage.tap_layer if stage else None,
             n_layer=stage.n_layer if stage else None,
@@ -75,8 +74,8 @@ class LlmService:
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
         # Every limit on what a peer controls; per-lane ones resolved to cells.
         self.limits = cfg.limits.resolved(self.rt.ctx_per_lane)
-        # A prefill piece is taken whole or waits; keep room for a full row of
-        # decodes beside it so a prompt can never wait on running streams.
+        # Keep room for a full row of decodes beside a prefill piece, so a
+        # prompt never waits on running streams (nor they on it).
         self.chunk = max(1, min(cfg.prefill_chunk, cfg.budget - cfg.lanes))
         self.sched = Scheduler(
             self.rt,
@@ -185,6 +184,8 @@ class LlmService:
             "speech": False,
             "draft_model": self.draft.path if self.draft else None,
             "media": self.projector.info() if self.projector else None,
+            # the CPU kernels this worker computes with and the exactness rule in force
+            "cpu": e.cpu,
             "limits": {
                 "max_message_bytes": self.cfg.max_message_bytes,
                 "max_request_bytes": self.cfg.max_request_bytes,

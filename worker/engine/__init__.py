@@ -1,11 +1,11 @@
 """The only package that imports ``llama_cpp``; see ``model.Engine``."""
 
+from . import kernels
 from .batch import OutputMode, Segment
-from .model import ROW_INVARIANT_ROWS, DecodeStatus, Engine, EngineConfig, EngineError
+from .model import DecodeStatus, Engine, EngineConfig, EngineError
 from .sampling import LlamaGrammars, Sampler, SamplerError, greedy_token
 
 __all__ = [
-    "ROW_INVARIANT_ROWS",
     "DecodeStatus",
     "Engine",
     "EngineConfig",
@@ -16,4 +16,5 @@ __all__ = [
     "SamplerError",
     "Segment",
     "greedy_token",
+    "kernels",
 ]

@@ -10,13 +10,18 @@ Choices that matter:
 - ``swa_full=True``: Gemma 3 uses sliding-window attention; a windowed cache
   forgets old cells, which would make ``trim`` to an early position
   impossible to re-decode exactly. The full cache costs little at 270M.
+- ``batch_invariant`` (the default): skiff builds llama.cpp with a small
+  patch (``scripts/llama_patch.py``) whose switches, set by ``kernels`` for
+  the CPU variant loaded, send every row through kernels that compute it as
+  if alone. Upstream a tiled K-quant matmul takes 8+ rows and flash
+  attention splits a lone row's KV across threads past 512 cells and tiles
+  64+ rows: a row's logits then depended on the batch around it, the
+  chunking of its prompt, the thread count and (past the sliding window) on
+  how many cells its cache held, so a migrated session drifted. ggml reads
+  the switches once per process, so the mode cannot change afterwards.
 - ``use_extra_bufts=False`` (``--repack 0``, the default): the CPU "extra
-  buffer types" repack weights for tiled GEMM kernels that switch on with
-  batch size, so a token's logits would depend on how many rows shared its
-  forward. Without them every row goes through the same dot-product kernel:
-  a token scores the same alone, in ``decode_batch`` or inside a speculative
-  span, which is what makes speculation exact. It also avoids the AMX repack
-  path that faults on this CPU in a native build.
+  buffer types" repack weights for GEMM kernels that switch on with batch
+  size; off, for the same reason (and the AMX repack faults on this CPU).
 - ``kv_unified`` only when lanes may use more than an equal share of the
   cells; otherwise each lane owns exactly ``n_ctx / lanes`` cells.
 """
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,26 +39,54 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
+from . import kernels
 from .batch import Batch, Segment
 from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import restream
 from .tap import LayerTap, TapError
 
-_backend_ready = False
+# A portable build (GGML_BACKEND_DL) loads the best CPU variant it finds;
+# this names one ``libggml-cpu-<variant>.so`` to load instead (exactness matrix).
+CPU_BACKEND_ENV = "SKIFF_CPU_BACKEND"
 
-# Measured on this build: a batch of up to 7 rows scores every row exactly as
-# if it ran alone; from 8 rows llama.cpp's CPU matmul takes a tiled GEMM path
-# whose results differ (up to ~0.7 in a logit). Speculative spans stay below.
-ROW_INVARIANT_ROWS = 7
+_backend: dict[str, Any] = {}  # what the process's backend was started with
 
 
-def _ensure_backend() -> None:
-    global _backend_ready
-    if not _backend_ready:
-        ll.llama_backend_init()
-        # Silence llama.cpp's own stderr chatter; we log what matters ourselves.
-        ll.llama_log_set(_NULL_LOG, ctypes.c_void_p(0))
-        _backend_ready = True
+def _ensure_backend(batch_invariant: bool, rule: kernels.KernelRule | None = None) -> None:
+    if _backend:
+        if _backend["cpu"]["batch_invariant"] != batch_invariant:
+            raise EngineError(
+                "batch invariance is fixed once per process; this process already runs with "
+                f"batch_invariant={_backend['cpu']['batch_invariant']}"
+            )
+        return
+    variant = os.environ.get(CPU_BACKEND_ENV)
+    if variant:
+        _load_cpu_variant(variant)
+    ll.llama_backend_init()
+    # Silence llama.cpp's own stderr chatter; we log what matters ourselves.
+    ll.llama_log_set(_NULL_LOG, ctypes.c_void_p(0))
+    text = ll.llama_print_system_info().decode("utf-8", "replace")
+    features = sorted(set(re.findall(r"([A-Z0-9_]+) = 1", text)))
+    name = os.path.basename(variant) if variant else "tuned"
+    match = re.match(r"libggml-cpu-(.+)\.so$", name)
+    cpu = kernels.describe(match.group(1) if match else name, features, batch_invariant, rule)
+    # ggml reads the switches at its first forward, which has not happened yet.
+    kernels.apply(kernels.KernelRule(**cpu["rule"]))
+    _backend["cpu"] = cpu
+
+
+def _load_cpu_variant(path: str) -> None:
+    """Register one CPU backend variant before llama.cpp loads the best one."""
+    lib_dir = os.path.join(os.path.dirname(ll.__file__), "lib")
+    ggml = ctypes.CDLL(os.path.join(lib_dir, "libggml.so"))
+    ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
+    ggml.ggml_backend_load.restype = ctypes.c_void_p
+    if not ggml.ggml_backend_load(path.encode()):
+        raise EngineError(
+            f"{CPU_BACKEND_ENV}={path}: not loaded (not a GGML_BACKEND_DL build, "
+            "or this CPU cannot run that variant)"
+        )
 
 
 @ll.llama_log_callback  # type: ignore[untyped-decorator]
@@ -73,6 +108,8 @@ class EngineConfig:
     n_ubatch: int = 512
     n_threads: int = 2
     repack: bool = False
+    batch_invariant: bool = True  # every row computed as if alone (see the module doc)
+    kernel_rule: kernels.KernelRule | None = None  # None: the loaded CPU level's measured rule
     swa_full: bool = True  # keep every sliding-window cell (exact trim to any position)
     kv_unified: bool | None = None  # None: unified only when lanes may exceed an equal share
     tap_layers: tuple[int, ...] = ()  # capture these layers' outputs (pipeline stages)
@@ -102,7 +139,7 @@ class Engine:
     """One loaded model with one context of ``n_seq`` sequences (lanes)."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        _ensure_backend()
+        _ensure_backend(cfg.batch_invariant, cfg.kernel_rule)
         self.cfg = cfg
         mparams = ll.llama_model_default_params()
         mparams.use_extra_bufts = cfg.repack
@@ -348,7 +385,10 @@ class Engine:
 
     def identity(self) -> dict[str, Any]:
         """What a saved KV state is only valid with: the model file's sha256
-        (hashed once, on first use), the KV cell types and the state format."""
+        (hashed once, on first use), the KV cell types and the state format,
+        and the arithmetic: batch invariance and the CPU kernels (an AVX2 and
+        an AVX-512 build round differently, so a session moved between them
+        could not continue as it would have at home; such a move is refused)."""
         if self._sha256 is None:
             digest = hashlib.sha256()
             with open(self.cfg.model_path, "rb") as fh:
@@ -363,7 +403,18 @@ class Engine:
             "kv_type_k": "f16",
             "kv_type_v": "f16",
             "state_format": STATE_FORMAT,
+            "batch_invariant": self.batch_invariant,
+            "cpu_kernels": f"{self.cpu['level']}: {' '.join(self.cpu['features'])}",
         }
+
+    @property
+    def batch_invariant(self) -> bool:
+        return bool(_backend["cpu"]["batch_invariant"])
+
+    @property
+    def cpu(self) -> dict[str, Any]:
+        """The CPU variant and ggml features this process computes with."""
+        return dict(_backend["cpu"])
 
     def layout(self) -> dict[str, Any]:
         """This context's cache layout (informative: a state loads across

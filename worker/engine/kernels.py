@@ -1,0 +1,104 @@
+"""Which CPU kernels a process computes with, and the rule that makes rows exact.
+
+skiff's exactness promise (a row's logits do not depend on the batch around
+it, the chunking of its prompt, the thread count or where its KV cells sit)
+rests on ggml taking the same arithmetic for one row as for many. Upstream
+it does not: flash attention splits a lone row's KV across threads past 512
+cells and tiles 64+ query rows; a tiled K-quant matmul takes 8+ rows; on some
+x86 levels tinyBLAS may round differently from ``vec_dot``. The vendored
+llama.cpp is patched (``scripts/llama_patch.py``) with switches, environment
+variables ggml reads once, at its first use of each path:
+
+- ``GGML_CPU_FA_ONE_ROW=1``: the one-row flash-attention loop for every row
+  (always on: nothing else is exact past 512 cells or across a migration);
+- ``GGML_CPU_TILED_MM=0``: no tiled K-quant matmul (upstream's own switch);
+- ``GGML_CPU_LLAMAFILE=0``: no tinyBLAS, where the variant needs it.
+
+The rule per x86 level comes from ``scripts/exactness_matrix.py`` (every
+claim, each variant this host can run; docs/exactness.md). A level not
+measured gets the strictest rule. ``apply`` runs after the backend is
+loaded (it names the variant) and before the first forward.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KernelRule:
+    """The switches that make one x86 level's rows batch-invariant."""
+
+    fa_one_row: bool = True
+    tiled_mm: bool = False
+    tiled_mm_force: bool = False  # the tiled K-quant matmul for every row count, one included
+    llamafile: bool = False
+
+    def env(self) -> dict[str, str]:
+        return {
+            "GGML_CPU_FA_ONE_ROW": "1" if self.fa_one_row else "0",
+            "GGML_CPU_TILED_MM": "1" if self.tiled_mm or self.tiled_mm_force else "0",
+            "GGML_CPU_TILED_MM_FORCE": "1" if self.tiled_mm_force else "0",
+            "GGML_CPU_LLAMAFILE": "1" if self.llamafile else "0",
+        }
+
+
+# Measured by scripts/exactness_matrix.py (docs/exactness.md): on these
+# levels tinyBLAS computes every element as vec_dot does, so it stays on.
+_MEASURED: dict[str, KernelRule] = {level: KernelRule(llamafile=True) for level in ("zen4",)}
+STRICT = KernelRule()
+UPSTREAM = KernelRule(fa_one_row=False, tiled_mm=True, llamafile=True)
+
+# (level, the ggml features it needs), best first: how a tuned build (one
+# CPU backend compiled with this host's flags) is placed among the levels.
+_LEVELS: list[tuple[str, set[str]]] = [
+    ("zen4", {"AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"}),
+    ("cooperlake", {"AVX512", "AVX512_VNNI", "AVX512_BF16"}),
+    ("icelake", {"AVX512", "AVX512_VBMI", "AVX512_VNNI"}),
+    ("cascadelake", {"AVX512", "AVX512_VNNI"}),
+    ("cannonlake", {"AVX512", "AVX512_VBMI"}),
+    ("skylakex", {"AVX512"}),
+    ("alderlake", {"AVX2", "AVX_VNNI"}),
+    ("haswell", {"AVX2", "FMA", "F16C"}),
+    ("sandybridge", {"AVX"}),
+    ("sse42", {"SSE42"}),
+]
+
+
+def level_of(variant: str, features: list[str]) -> str:
+    """The x86 level of a loaded variant (a tuned build: by its features)."""
+    if variant != "tuned":
+        return variant
+    have = set(features)
+    for level, needs in _LEVELS:
+        if needs <= have:
+            return level
+    return "x64"
+
+
+def rule_for(level: str) -> KernelRule:
+    return _MEASURED.get(level, STRICT)
+
+
+def apply(rule: KernelRule) -> None:
+    """Set the switches (before the first forward: ggml reads each once)."""
+    os.environ.update(rule.env())
+
+
+def describe(
+    variant: str, features: list[str], invariant: bool, rule: KernelRule | None = None
+) -> dict[str, Any]:
+    """What ``info`` reports: variant, level, features, and the rule in force
+    (``rule`` overrides the level's, for the exactness matrix)."""
+    level = level_of(variant, features)
+    if rule is None:
+        rule = rule_for(level) if invariant else UPSTREAM
+    return {
+        "variant": variant,
+        "level": level,
+        "features": features,
+        "batch_invariant": invariant,
+        "rule": asdict(rule),
+    }
