@@ -47,17 +47,18 @@ def _chunks(total: int, chunk: int, budget: int) -> list[int]:
 
 
 @pytest.mark.parametrize("total", [1, 255, 256, 257, 600, 1024])
-def test_prompts_are_prefilled_in_whole_grid_pieces(total: int) -> None:
+def test_prompts_are_prefilled_in_chunk_pieces_from_the_start(total: int) -> None:
+    # Where a prompt is cut does not change its numbers (rows are
+    # batch-invariant), so pieces are simply chunk-sized from the start.
     sizes = _chunks(total, 256, 512)
-    split = ((total - 1) // 256) * 256
-    assert sizes[-1] == total - split
     assert all(s == 256 for s in sizes[:-1])
+    assert 0 < sizes[-1] <= 256
     assert sum(sizes) == total
 
 
-def test_pieces_wait_when_budget_is_short() -> None:
-    # 300 tokens, chunk 256: neither piece is ever split by the budget.
-    assert chunk_bounds(0, 300, 256, 255) == 0
-    assert chunk_bounds(0, 300, 256, 256) == 256
-    assert chunk_bounds(256, 300, 256, 10) == 0
-    assert chunk_bounds(256, 300, 256, 44) == 44
+def test_pieces_are_cut_to_the_budget_but_not_into_crumbs() -> None:
+    assert chunk_bounds(0, 300, 256, 255) == 255  # cut to what the turn has
+    assert chunk_bounds(0, 300, 256, 1000) == 256  # at most one chunk
+    assert chunk_bounds(0, 300, 256, 10) == 0  # less than MIN_CUT waits
+    assert chunk_bounds(290, 300, 256, 10) == 10  # unless that is all that is left
+    assert chunk_bounds(295, 300, 256, 10) == 5

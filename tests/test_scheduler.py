@@ -102,7 +102,6 @@ class FakeRuntime:
         session_id: SessionId,
         prompt: Sequence[int],
         ephemeral: bool = False,
-        grid: int = 1,
         reuse: bool = True,
     ) -> tuple[Session, int]:
         known = self.lanes.get(session_id)
@@ -487,9 +486,8 @@ def test_long_prefill_is_split_into_chunks_across_turns() -> None:
     assert h.result(job) == {"position": 10, "token": sampled_token(10)}
 
 
-def test_prefill_pieces_are_whole_and_wait_for_room_beside_decodes() -> None:
-    # A piece is never cut by the budget (grid pieces keep prefill numerics
-    # independent of load): 2 decode rows + a 3-token piece fill a budget of 5.
+def test_prefill_pieces_fit_beside_decodes_and_are_not_cut_into_crumbs() -> None:
+    # 2 decode rows + a 3-token piece fill a budget of 5.
     h = Harness(lanes=3, max_batch_tokens=5, prefill_chunk=3)
     streams = [h.submit(h.generate(max_tokens=10)) for _ in range(2)]
     h.turn()  # both prompts (1 token each); both streams now decode every turn
@@ -498,7 +496,7 @@ def test_prefill_pieces_are_whole_and_wait_for_room_beside_decodes() -> None:
     for call in h.rt.calls[1:]:
         assert [len(r.tokens) for r in call] == [1, 1, 3]
     assert all(h.tokens(s) for s in streams)
-    # With a piece larger than the room left, the prefill waits (no partial piece).
+    # A piece larger than the room left would be cut below MIN_CUT: it waits.
     h = Harness(lanes=3, max_batch_tokens=5, prefill_chunk=4)
     for _ in range(2):
         h.submit(h.generate(max_tokens=10))
@@ -841,7 +839,7 @@ def test_prefill_is_cut_to_the_time_left_while_streams_decode() -> None:
     h.turn(3)
     sizes = [[len(r.tokens) for r in call] for call in h.rt.calls[1:4]]
     assert sizes == [[1, 30], [1, 30], [1, 30]]
-    # Without streams, the prompt's piece is taken whole (and on the grid).
+    # Without streams, the prompt's piece is taken whole.
     h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256, cadence=2.5)
     h.sched.clock.decode_ms, h.sched.clock.prefill_ms_per_token = 80.0, 4.0
     h.submit(h.prefill("p", 100))

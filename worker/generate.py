@@ -22,8 +22,7 @@ from typing import Any
 
 from faults import BadRequest
 
-from .engine import ROW_INVARIANT_ROWS
-from .jobs import PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds, on_grid, tensors_of_rows
+from .jobs import MAX_LOGIT_ROWS, PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds, tensors_of_rows
 from .limits import check
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.rows import RowRule
@@ -71,7 +70,6 @@ class GenerateJob(Job):
         self.session: Session | None = None
         self.tokens: list[int] = []  # prompt tokens to prefill
         self.cached = 0  # of them, already in a reused lane's KV (prefix cache)
-        self.from_zero = False  # the prompt starts at position 0: its pieces are on the grid
         self.done = 0
         self.inflight = 0
         self.next_token: int | None = None  # sampled, not yet in the KV cache
@@ -113,11 +111,8 @@ class GenerateJob(Job):
             raise BadRequest("prompt is empty")
         # A new session may start on a cached lane that holds a prefix of the
         # prompt (an earlier turn of the same chat, a shared system prompt).
-        self.session, self.cached = rt.admit_prompt(
-            sid, self.tokens, self.ephemeral, grid=self.chunk
-        )
+        self.session, self.cached = rt.admit_prompt(sid, self.tokens, self.ephemeral)
         self.done = self.cached
-        self.from_zero = self.session.position == self.done
         rt.ensure_room(self.session, len(self.tokens) - self.done)
         self.session.pending = []
         self.t_start = time.monotonic()
@@ -154,7 +149,7 @@ class GenerateJob(Job):
                 )
             ]
         total = len(self.tokens)
-        n = chunk_bounds(self.done, total, self.chunk, budget, self.squeeze)
+        n = chunk_bounds(self.done, total, self.chunk, budget)
         self.inflight = n
         if n == 0:
             return []
@@ -167,7 +162,6 @@ class GenerateJob(Job):
                 last,
                 self.spec,
                 top_logprobs=self.top_logprobs,
-                grid=self.from_zero and on_grid(self.done, n, total, self.chunk),
                 outputs=self.outputs if last else (),
             )
         ]
@@ -175,10 +169,11 @@ class GenerateJob(Job):
     def _draft(self, rt: RuntimeState, budget: int) -> list[int]:
         if self.drafter is None or self.session is None or self.next_token is None:
             return []
-        # A span of at most ROW_INVARIANT_ROWS rows scores each token exactly
-        # as plain decoding would, so speculation never changes the output.
+        # Every row of a span scores exactly as plain decoding would (rows
+        # are batch-invariant), so speculation never changes the output; the
+        # span is capped only to keep llama.cpp's logits buffer small.
         room = min(
-            ROW_INVARIANT_ROWS - 1,
+            MAX_LOGIT_ROWS - 1,
             budget - 1,
             rt.ctx_per_lane - self.session.position - 1,
             self.max_tokens - len(self.completion) - 1,

@@ -22,15 +22,18 @@ import numpy as np
 
 from faults import BadRequest, Cancelled
 
-from .engine import ROW_INVARIANT_ROWS
 from .runtime import RuntimeState, Session, SessionId, Step, StepResult
 from .runtime.rows import RowRule
-from .runtime.state import grid_split
 from .spec import SamplerSpec
 from .ticket import Tensors, Ticket
 
 # Tokens a settled verify feeds (no logits) per turn.
 _FEED_PIECE = 256
+# Most rows of logits one step asks for (a verify piece, a speculative span).
+# Not for exactness (every row scores as if alone at any batch size): the
+# logits buffer llama.cpp keeps grows to the most rows ever asked and never
+# shrinks, n_vocab x 4 B a row (1 MiB for Gemma 3), so spans go in pieces.
+MAX_LOGIT_ROWS = 7
 
 PHASE_DECODE = 0
 PHASE_ATOMIC = 1
@@ -42,7 +45,6 @@ class Job:
 
     phase = PHASE_DECODE
     atomic = False  # all of plan() must go in one forward
-    squeeze = False  # set by the scheduler: this turn's prefill may cut a piece
     waits_for_lane = False  # queue (rather than lanes_busy) when no lane
     ephemeral = False  # sessions are created for this job and dropped after
     generation = False  # a generate/chat: counts against --max-streams-per-peer
@@ -108,34 +110,24 @@ def tensors_of_rows(
     return Tensors(parts, positions, sequences, 0, n_layer)
 
 
-# The smallest piece a squeezed turn cuts from a prompt (less is not worth a row).
+# The smallest piece a turn cuts from a prompt (less is not worth a row).
 MIN_CUT = 16
 
 
-def chunk_bounds(done: int, total: int, chunk: int, budget: int, squeeze: bool = False) -> int:
+def chunk_bounds(done: int, total: int, chunk: int, budget: int) -> int:
     """How many prompt tokens to take now (0 = wait for a later turn).
 
-    A prompt is prefilled in grid pieces: ``[0, chunk)``, ``[chunk, 2 chunk)``
-    ... and a final piece from ``((total - 1) // chunk) * chunk`` to the end,
-    each taken whole when the budget allows: a prompt prefilled on the grid
-    has KV cells and logits that do not depend on what else ran, and a prefix
-    cached from it is, up to a grid point, bit-identical to a cold prefill of
-    another prompt sharing it (``RuntimeState.admit_prompt``). A piece that
-    does not fit waits — unless the turn is ``squeeze``d (streams are
-    decoding and the turn's time is short): then up to ``budget`` tokens are
-    cut off the piece so running streams keep their cadence, and the next
-    piece ends on the grid again.
+    Up to ``chunk`` tokens (``--prefill-chunk``); a piece larger than the
+    turn's ``budget`` is cut to it, unless that would leave less than
+    ``MIN_CUT`` (then it waits). Where a prompt is cut does not matter for its
+    numbers: every row is computed as if alone (``engine.kernels``), so a
+    prompt prefilled in any pieces, or after a reused prefix, has the KV cells
+    and logits of a cold prefill in one piece.
     """
-    split = grid_split(total, chunk)
-    n = total - done if done >= split else min(chunk - done % chunk, split - done)
+    n = min(total - done, chunk)
     if n <= budget:
         return n
-    return budget if squeeze and budget >= MIN_CUT else 0
-
-
-def on_grid(done: int, n: int, total: int, chunk: int) -> bool:
-    """Whether ``[done, done + n)`` is a whole grid piece of a ``total``-token prompt."""
-    return done % chunk == 0 and (n == chunk or done + n == total)
+    return budget if budget >= MIN_CUT else 0
 
 
 class PrefillJob(Job):
@@ -165,7 +157,6 @@ class PrefillJob(Job):
         self.position0 = 0
         self.done = 0
         self.inflight = 0
-        self.from_zero = False  # the prompt starts at position 0: its pieces are on the grid
         self.session: Session | None = None
 
     def start(self, rt: RuntimeState) -> bool:
@@ -174,7 +165,7 @@ class PrefillJob(Job):
         # Not when every token's rows are asked for, or for embeddings input.
         reuse = not self.outputs and self.embd is None
         self.session, self.done = rt.admit_prompt(
-            self.sessions[0], self.tokens, self.ephemeral, grid=self.chunk, reuse=reuse
+            self.sessions[0], self.tokens, self.ephemeral, reuse=reuse
         )
         if self.start_position is not None and self.start_position != self.session.position:
             raise BadRequest(
@@ -182,20 +173,18 @@ class PrefillJob(Job):
                 f"{self.sessions[0]!r} is at {self.session.position}"
             )
         self.position0 = self.session.position
-        self.from_zero = self.session.position == self.done and self.embd is None
         rt.ensure_room(self.session, len(self.tokens) - self.done)
         return False
 
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
         assert self.session is not None
         total = len(self.tokens)
-        n = chunk_bounds(self.done, total, self.chunk, budget, self.squeeze)
+        n = chunk_bounds(self.done, total, self.chunk, budget)
         self.inflight = n
         if n == 0:
             return []
         part = self.tokens[self.done : self.done + n]
         sample = self.sampled and self.done + n == total
-        grid = self.from_zero and on_grid(self.done, n, total, self.chunk)
         embd = self.embd[self.done : self.done + n] if self.embd is not None else None
         return [
             Step(
@@ -203,7 +192,6 @@ class PrefillJob(Job):
                 part,
                 sample=sample,
                 spec=self.spec,
-                grid=grid,
                 outputs=self.outputs,
                 capture_all=bool(self.outputs),
                 embd=embd,
@@ -289,11 +277,10 @@ class SessionOpJob(Job):
 class VerifyJob(Job):
     """Score a span ``[t0, d1..dk]`` and keep the agreeing drafts.
 
-    ``predicted[i]`` is the target's token after ``tokens[..i]``. The span is
-    scored in pieces of at most ``ROW_INVARIANT_ROWS`` rows, one piece a
-    turn: such a piece scores each token exactly as plain decoding would,
-    and llama.cpp's logits buffer (sized by the most rows ever asked, never
-    shrunk) stays at 7 rows of ``n_vocab`` however long the span.
+    ``predicted[i]`` is the target's token after ``tokens[..i]``. Every row
+    scores exactly as plain decoding would (rows are batch-invariant); the
+    span goes in pieces of at most ``MAX_LOGIT_ROWS`` rows, one piece a turn,
+    so llama.cpp's logits buffer stays small however long the span.
     Greedy verification reports all k+1 predictions; a stateful sampler
     stops at the first disagreement so its RNG and penalty state advance
     exactly as plain decoding would have. Tokens after a disagreement are fed
@@ -330,7 +317,7 @@ class VerifyJob(Job):
 
     def size(self) -> int:
         left = len(self.tokens) - self.done
-        return min(_FEED_PIECE if self.settled else ROW_INVARIANT_ROWS, left)
+        return min(_FEED_PIECE if self.settled else MAX_LOGIT_ROWS, left)
 
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
         assert self.session is not None

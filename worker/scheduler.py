@@ -21,8 +21,9 @@ Turns are budgeted by time as well as tokens. The scheduler learns what a
 decode-only turn costs and what one prefill token adds (moving averages of
 measured forwards). While streams are decoding, prefill gets only the tokens
 that keep the turn within ``cadence`` x a decode-only turn, cutting a piece
-if it must (``Job.squeeze``), so a prompt arriving mid-stream delays each
-running stream's next token by a bounded amount instead of a whole piece.
+if it must (where a prompt is cut does not change its numbers: rows are
+batch-invariant), so a prompt arriving mid-stream delays each running
+stream's next token by a bounded amount instead of a whole piece.
 
 The scheduler knows nothing about sockets: jobs answer through their
 ``Ticket`` into the outbox, which the edge empties after the turn.
@@ -304,7 +305,6 @@ class Scheduler(ForwardOutcomes):
                     continue
                 # plan() with no budget left returns nothing, and an atomic job
                 # that could not run is boosted to go first next turn.
-                job.squeeze = phase is None and allowance is not None
                 try:
                     planned = job.plan(self.rt, max(0, budget))
                 except Exception as exc:  # a request's bad plan fails it, not every turn after

@@ -55,9 +55,6 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     last_token: int | None = None
     pending: list[int] = field(default_factory=list)  # shown by generate, not yet fed
-    # Leading tokens whose KV was computed by whole grid pieces of a prompt
-    # prefilled from position 0: reusable bit-exactly (``RuntimeState.admit_prompt``).
-    canonical: int = 0
     # Named sessions keep per-token signals (runtime/signals.py) for `signal`.
     signals: deque[Any] = field(default_factory=lambda: deque(maxlen=SIGNAL_HISTORY))
     last_logprobs: dict[str, Any] | None = None
@@ -68,8 +65,8 @@ class LanePool:
         self.n_lanes = n_lanes
         self.cache_limit = n_lanes if cache_limit < 0 else min(cache_limit, n_lanes)
         self._free: list[int] = list(range(n_lanes))
-        # lane -> (tokens its KV holds, how many of them are canonical); LRU first
-        self._cached: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
+        # lane -> the tokens its KV holds; LRU first
+        self._cached: OrderedDict[int, list[int]] = OrderedDict()
         self.evicted: list[int] = []  # lanes to clear before reuse
         self.sessions: dict[SessionId, Session] = {}
 
@@ -82,17 +79,17 @@ class LanePool:
     def cached(self) -> int:
         return len(self._cached)
 
-    def best_prefix(self, tokens: Sequence[int], longest: int) -> tuple[int, int, int] | None:
-        """(lane, shared tokens, canonical tokens) of the cached lane sharing the
-        longest prefix with ``tokens`` (at most ``longest``); None when none shares any."""
-        best: tuple[int, int, int] | None = None
-        for lane, (held, canonical) in self._cached.items():
+    def best_prefix(self, tokens: Sequence[int], longest: int) -> tuple[int, int] | None:
+        """(lane, shared tokens) of the cached lane sharing the longest prefix
+        with ``tokens`` (at most ``longest``); None when none shares any."""
+        best: tuple[int, int] | None = None
+        for lane, held in self._cached.items():
             n = min(len(held), longest)
             common = 0
             while common < n and held[common] == tokens[common]:
                 common += 1
             if common and (best is None or common > best[1]):
-                best = (lane, common, canonical)
+                best = (lane, common)
         return best
 
     def _take_lane(self, prefer: int | None) -> int:
@@ -156,7 +153,7 @@ class LanePool:
         session = self.require(session_id)
         del self.sessions[session_id]
         if keep and session.tokens and self.cache_limit > 0:
-            self._cached[session.lane] = (session.tokens, min(session.canonical, session.position))
+            self._cached[session.lane] = session.tokens
             while len(self._cached) > self.cache_limit:
                 lane, _ = self._cached.popitem(last=False)
                 self.evicted.append(lane)

@@ -170,7 +170,6 @@ def import_session(
         session.position = fields["position"]
         session.pending = fields["pending"]
         session.last_token = fields["last_token"]
-        session.canonical = 0
         raw = meta.get("sampler")
         if raw is not None and sampler_spec is not None:
             _restore_sampler(rt, session, raw, sampler_spec)

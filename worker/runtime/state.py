@@ -13,8 +13,8 @@ sessions that advanced (their token history is cut to match), then raise
 
 Sampling and capturing a forward's output rows (``sample_row``,
 ``sampler_for``, a step's token / rows / tensors) are the ``RowOutputs``
-mixin in ``outputs.py``; the prefix-cache policy (reuse modes, the grid
-rule, the counters) is in ``prefix.py``.
+mixin in ``outputs.py``; the prefix-cache policy and counters are in
+``prefix.py``.
 """
 
 from __future__ import annotations
@@ -29,19 +29,12 @@ from ..engine import Engine, OutputMode, Segment
 from .chain import Flight, forward_chain, launch_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
 from .outputs import RowOutputs
-from .prefix import MIN_PREFIX_REUSE, REUSE_MODES, PrefixStats, grid_split
+from .prefix import MIN_PREFIX_REUSE, PrefixStats
 from .signals import window_summary
 from .steps import Step, StepResult
 from .tail import Tail
 
-# Names moved to prefix.py stay importable from here.
-__all__ = [
-    "MIN_PREFIX_REUSE",
-    "REUSE_MODES",
-    "PrefixStats",
-    "RuntimeState",
-    "grid_split",
-]
+__all__ = ["RuntimeState"]
 
 
 class RuntimeState(RowOutputs):
@@ -49,13 +42,10 @@ class RuntimeState(RowOutputs):
         self,
         engine: Engine,
         prefix_cache: int = 0,
-        reuse: str = "exact",
         tail: Tail | None = None,
         tap_layer: int | None = None,
         n_layer: int | None = None,
     ) -> None:
-        if reuse not in REUSE_MODES:
-            raise ValueError(f"prefix reuse must be one of {REUSE_MODES}")
         if (tail is None) != (tap_layer is None):
             raise ValueError("a stage with a next stage needs a layer tap, and only it")
         self.engine = engine
@@ -69,7 +59,6 @@ class RuntimeState(RowOutputs):
         self._flights: dict[int, Flight] = {}  # tail ticket -> its forward in flight
         if tail is not None:
             prefix_cache = 0  # a reused lane would need the same prefix downstream
-        self.reuse = reuse
         self.lanes = LanePool(engine.n_seq, prefix_cache)
         self.ctx_per_lane = engine.n_ctx_per_seq
         self.tokens_evaluated = 0
@@ -89,38 +78,26 @@ class RuntimeState(RowOutputs):
         session_id: SessionId,
         prompt: Sequence[int],
         ephemeral: bool = False,
-        grid: int = 1,
         reuse: bool = True,
     ) -> tuple[Session, int]:
         """Admit a session that is about to prefill ``prompt``; reuse a cached prefix.
 
         Returns the session and how many prompt tokens its KV already holds
-        (its position); the caller prefills the rest in ``grid`` pieces
-        (``jobs.chunk_bounds``). A session that exists already is returned as
-        it is, with 0.
+        (its position); the caller prefills the rest. A session that exists
+        already is returned as it is, with 0.
 
-        ``exact`` reuse (the default) keeps a prefix only up to a grid point
-        that the cached lane computed with whole grid pieces of a prompt
-        prefilled from 0, and at most up to the start of the prompt's final
-        piece: the rest is then computed exactly as a cold prefill computes
-        it, so the KV cells and logits are bit-identical (logits depend on
-        the shape of the batch that computed them; this keeps the shapes).
-        ``any`` reuse keeps every shared token but the last (as llama-server
-        does): faster, but the reused cells and the final rows may have been
-        computed in other batch shapes, so logits may differ slightly (up to
-        ~1 here) from a cold prefill and a near-tie can flip.
+        Every shared token but the last is kept (the last is computed again
+        for its logits), as llama-server does; unlike there, the result is
+        bit-identical to a cold prefill, because every row is computed as if
+        alone (``engine.kernels``): the reused cells and the rows computed
+        after them do not depend on the batches that made them.
         """
         known = self.lanes.get(session_id)
         if known is not None:
             return known, 0
         cached = reuse and self.lanes.cached > 0
         match = self.lanes.best_prefix(prompt, len(prompt) - 1) if cached else None
-        common = 0
-        if match is not None:
-            common = match[1]
-            if self.reuse == "exact":
-                usable = min(common, match[2], grid_split(len(prompt), grid))
-                common = (usable // grid) * grid
+        common = match[1] if match is not None else 0
         if match is None or common < MIN_PREFIX_REUSE:
             self.prefix.misses += 1
             (session,) = self.admit([session_id], ephemeral)
@@ -140,7 +117,6 @@ class RuntimeState(RowOutputs):
             return session, 0
         session.position = common
         session.tokens = list(prompt[:common])
-        session.canonical = min(common, match[2])
         self.check_position(session)
         self.prefix.hits += 1
         self.prefix.reused_tokens += common
@@ -209,7 +185,6 @@ class RuntimeState(RowOutputs):
         if not self.engine.seq_rm(session.lane, token_count, -1):
             raise EngineFault(f"llama.cpp refused to trim lane {session.lane}", {})
         session.position = token_count
-        session.canonical = min(session.canonical, token_count)
         session.pending = []
         del session.tokens[token_count:]
         self.check_position(session)
@@ -345,8 +320,6 @@ class RuntimeState(RowOutputs):
         # no allowed token) and must not leave the others' positions behind.
         for step in steps:
             session = step.session
-            if step.grid and session.canonical == session.position:
-                session.canonical += len(step.tokens)
             session.position += len(step.tokens)
             session.tokens.extend(step.tokens)
             session.last_used = time.monotonic()

@@ -46,7 +46,6 @@ class Step:
     outputs: tuple[str, ...] = ()
     all_rows: bool = False  # logits for every token (verify, speculation)
     top_logprobs: int | None = None  # logprobs of the sampled token (+ top k)
-    grid: bool = False  # a whole grid piece of a prompt prefilled from position 0
     capture_all: bool = False  # ``outputs`` for every token of the step
     embd: np.ndarray | None = None
     rule: RowRule | None = None  # ``all_rows``: sample the rows by this rule (``row_tokens``)
