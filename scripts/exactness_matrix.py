@@ -1,0 +1,257 @@
+"""Every exactness claim, under every CPU variant this host can run.
+
+skiff promises that a session's logits do not depend on where or with whom it
+ran. Those are claims about ggml's arithmetic, and ggml has one CPU backend
+per x86 level (x64, sse42, sandybridge, haswell, skylakex, icelake, zen4 ...)
+with different kernels. This script loads each variant in turn (the
+portable build, ``scripts/build_llama_portable.sh``, built once and cached;
+or the tuned build alone with ``--tuned``), runs the claims at the engine
+level in a child process per variant and rule, and prints a table of
+variant x claim -> max abs logit diff (0 is exact), then the rule each
+variant needs: the switches of ``worker/engine/kernels.py`` under which
+every claim holds (tinyBLAS kept where it computes as ``vec_dot`` does).
+
+Claims, each at every ``--lengths`` N of KV before the checked rows:
+- ``batch``: lanes decoded in one forward (B = 2, 5, 8) vs each alone;
+- ``span``: 4, 8, 16 rows of one session in one forward vs one at a time;
+- ``chunks``: an N-token prompt prefilled in pieces of 64 / 100 vs 512;
+- ``migrate``: state out of one lane into another context of another
+  layout (2 lanes), then 4 decode steps vs the session that never moved;
+- ``reuse``: a prefix kept from another prompt's lane, the rest prefilled,
+  vs a cold prefill (what exact prefix reuse does);
+- ``trim``: 4 steps, trimmed back, the same 4 steps again;
+- ``threads``: 1 thread vs 2.
+
+    .venv/bin/python scripts/exactness_matrix.py            # portable build (~30 min once)
+    .venv/bin/python scripts/exactness_matrix.py --tuned    # this venv's build only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+CLAIMS = ("batch", "span", "chunks", "migrate", "reuse", "trim", "threads")
+RULES = {
+    "tinyblas": {"llamafile": True},
+    "strict": {"llamafile": False},
+    "upstream": {"fa_one_row": False, "tiled_mm": True, "llamafile": True},
+}
+
+
+# -- the child: one variant, one rule ------------------------------------------
+
+
+def _claims(lengths: list[int], rule: dict[str, bool]) -> dict[str, float]:
+    import numpy as np
+
+    from worker.engine import Engine, EngineConfig, Segment, kernels
+    from worker.models import default_model_path
+
+    model = str(default_model_path())
+    forced = kernels.KernelRule(**rule)
+
+    def engine(lanes: int, threads: int = 2) -> Engine:
+        cfg = EngineConfig(
+            model, n_ctx=lanes * 2048, n_seq=lanes, n_threads=threads, kernel_rule=forced
+        )
+        return Engine(cfg)
+
+    def fill(e: Engine, lane: int, toks: list[int], pos0: int = 0, chunk: int = 512) -> None:
+        for at in range(0, len(toks), chunk):
+            assert e.decode([Segment(lane, toks[at : at + chunk], pos0 + at, "none")]).ok
+
+    def steps(e: Engine, lane: int, toks: list[int], pos0: int) -> list[np.ndarray]:
+        out = []
+        for i, t in enumerate(toks):
+            assert e.decode([Segment(lane, [t], pos0 + i, "last")]).ok
+            out.append(e.logits_row(e.output_index(0)).copy())
+        return out
+
+    def diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+        return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+    main = engine(8)
+    other = engine(2)
+    base = main.tokenize((ROOT / "README.md").read_text() * 8)
+    worst = dict.fromkeys(CLAIMS, 0.0)
+
+    def note(claim: str, value: float) -> None:
+        worst[claim] = max(worst[claim], value)
+
+    for n in lengths:
+        prompt, nxt = base[:n], base[n : n + 16]
+        main.seq_clear(0)
+        fill(main, 0, prompt)
+        state = main.state_get(0)
+        for lane in range(1, 8):  # the same prompt in every lane (state copies)
+            main.seq_clear(lane)
+            assert main.state_set(lane, state)
+        one = steps(main, 0, nxt, n)  # lane 0 alone, one token a forward: the reference
+        ref = one[:4]
+        alone = [steps(main, lane, nxt[lane : lane + 1], n) for lane in range(1, 8)]
+        alone.insert(0, one[:1])
+        for lane in range(8):
+            main.seq_rm(lane, n, -1)
+        for b in (2, 5, 8):  # batch
+            assert main.decode([Segment(lane, [nxt[lane]], n, "last") for lane in range(b)]).ok
+            got = [[main.logits_row(main.output_index(lane)).copy()] for lane in range(b)]
+            note("batch", max(diff(alone[lane], got[lane]) for lane in range(b)))
+            for lane in range(b):
+                main.seq_rm(lane, n, -1)
+        for k in (4, 8, 16):  # span
+            assert main.decode([Segment(0, nxt[:k], n, "all")]).ok
+            rows = [main.logits_row(main.output_index(0, i)).copy() for i in range(k)]
+            note("span", diff(one[:k], rows))
+            main.seq_rm(0, n, -1)
+        note("trim", diff(ref, steps(main, 0, nxt[:4], n)))  # trim (lane 0 was trimmed)
+        for chunk in (64, 100):  # chunks (lane 0 was prefilled in 512s)
+            main.seq_clear(1)
+            fill(main, 1, prompt, chunk=chunk)
+            note("chunks", diff(ref, steps(main, 1, nxt[:4], n)))
+        other.seq_clear(1)  # migrate: into a context of another layout
+        assert other.state_set(1, state)
+        note("migrate", diff(ref, steps(other, 1, nxt[:4], n)))
+        donor = base[: n // 2] + base[3000 : 3000 + n - n // 2]  # reuse
+        main.seq_clear(2)
+        fill(main, 2, donor)
+        main.seq_rm(2, n // 2, -1)
+        fill(main, 2, prompt[n // 2 :], pos0=n // 2)
+        note("reuse", diff(ref, steps(main, 2, nxt[:4], n)))
+    main.close()
+    other.close()
+    single = engine(1, threads=1)  # threads
+    n = lengths[-1]
+    fill(single, 0, base[:n])
+    note("threads", diff(ref, steps(single, 0, base[n : n + 4], n)))
+    single.close()
+    return worst
+
+
+# -- the parent: builds, variants, the table --------------------------------------
+
+
+def _portable(cache: Path) -> tuple[Path, Path]:
+    """(python of a venv with the portable wheel, its backend dir); built once."""
+    import hashlib
+
+    import build_llama
+    import llama_patch
+
+    key = hashlib.sha256(
+        f"{build_llama.VERSION} portable {llama_patch.fingerprint()}".encode()
+    ).hexdigest()[:12]
+    home = cache / "portable" / key
+    backends, wheels, env = home / "backends", home / "wheels", home / "venv"
+    py = env / "bin" / "python"
+    if not list(backends.glob("libggml-cpu-*.so")):
+        print(f"building the portable wheel into {home} (once, ~30 min)", file=sys.stderr)
+        script = ROOT / "scripts" / "build_llama_portable.sh"
+        subprocess.run([str(script), str(wheels), str(backends)], check=True)
+    if not py.exists():
+        venv.create(env, with_pip=True)
+        (wheel,) = wheels.glob("llama_cpp_python-*.whl")
+        pip = [str(py), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, "--no-deps", str(wheel)], check=True)
+        subprocess.run([*pip, "numpy", "typing-extensions", "diskcache", "jinja2"], check=True)
+    return py, backends
+
+
+def _run_child(py: Path, backend: Path | None, rule: str, lengths: list[int]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("SKIFF_CPU_BACKEND", None)
+    if backend is not None:
+        env["SKIFF_CPU_BACKEND"] = str(backend)
+    cmd = [str(py), __file__, "--child", rule, "--lengths", ",".join(map(str, lengths))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode == 3:
+        return {"unsupported": True}
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tuned", action="store_true", help="only this venv's tuned build")
+    ap.add_argument("--lengths", default="100,513,1000")
+    ap.add_argument("--variants", default="", help="comma list (default: every one built)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--with-upstream", action="store_true", help="also run upstream's kernels (the contrast)"
+    )
+    ap.add_argument("--child", choices=sorted(RULES), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.child:
+        from worker.engine import EngineError
+
+        try:
+            t0 = time.monotonic()
+            worst = _claims(lengths, RULES[args.child])
+        except EngineError as exc:
+            print(exc, file=sys.stderr)
+            sys.exit(3 if "cannot run" in str(exc) else 1)
+        from worker.engine.model import _backend
+
+        out = {"claims": worst, "cpu": _backend["cpu"], "seconds": time.monotonic() - t0}
+        print(json.dumps(out))
+        return
+    from worker.models import cache_dir
+
+    if args.tuned:
+        runs: list[tuple[str, Path, Path | None]] = [("tuned", Path(sys.executable), None)]
+    else:
+        py, backends = _portable(cache_dir())
+        names = sorted(p.name[len("libggml-cpu-") : -3] for p in backends.glob("libggml-cpu-*.so"))
+        wanted = [v for v in args.variants.split(",") if v] or names
+        runs = [(v, py, backends / f"libggml-cpu-{v}.so") for v in wanted]
+    flags = sorted(
+        {f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))}
+    )
+    print(f"host cpu flags: {' '.join(flags)}")
+    print(f"lengths: {lengths}; cells: max abs logit diff (0 = exact)")
+    print(f"{'variant':<13} {'rule':<9} " + " ".join(f"{c:>8}" for c in CLAIMS) + "  needs")
+    table: list[dict[str, Any]] = []
+    for name, py, backend in runs:
+        needs = "?"
+        for rule in ("tinyblas", "strict"):
+            res = _run_child(py, backend, rule, lengths)
+            table.append({"variant": name, "rule": rule, **res})
+            if res.get("unsupported"):
+                print(f"{name:<13} {'-':<9} this CPU cannot run it")
+                break
+            if "error" in res:
+                print(f"{name:<13} {rule:<9} error: {res['error']}")
+                continue
+            cells = res["claims"]
+            exact = all(v == 0.0 for v in cells.values())
+            needs = rule if exact else "?"
+            row = " ".join(f"{cells[c]:>8.3g}" for c in CLAIMS)
+            print(f"{name:<13} {rule:<9} {row}  {res['cpu']['level']}: {needs}")
+            if exact:
+                break  # the cheaper rule holds; the strict one is not needed
+        if args.with_upstream and not res.get("unsupported"):
+            res = _run_child(py, backend, "upstream", lengths)
+            if "claims" in res:
+                table.append({"variant": name, "rule": "upstream", **res})
+                row = " ".join(f"{res['claims'][c]:>8.3g}" for c in CLAIMS)
+                print(f"{name:<13} {'upstream':<9} {row}  (llama.cpp's own paths)")
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=1))
+
+
+if __name__ == "__main__":
+    main()
