@@ -10,6 +10,7 @@ so the soak reports that growth without judging it under 5 minutes.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import subprocess
@@ -120,15 +121,22 @@ def test_warmup_windows_and_growth() -> None:
 
 
 def test_process_section_counts_objects_and_reuses_the_count() -> None:
-    stats = process.ProcessStats(refresh_s=3600)
-    first = stats.snapshot()
-    assert set(first) == {"pid", "rss_bytes", "objects"}
-    assert first["objects"] > 1000 and first["rss_bytes"] > 10 * 2**20
-    keep: list[list[int]] = [[] for _ in range(5000)]  # 5000 new gc-tracked lists
-    assert stats.snapshot()["objects"] == first["objects"]  # cached within refresh_s
-    stats.refresh_s = 0.0
-    assert stats.snapshot()["objects"] >= first["objects"] + 4000
-    del keep
+    # Garbage other tests left behind must not be collected mid-test (after
+    # many tests in this process it outnumbers the 5000 lists counted below).
+    gc.collect()
+    gc.disable()
+    try:
+        stats = process.ProcessStats(refresh_s=3600)
+        first = stats.snapshot()
+        assert set(first) == {"pid", "rss_bytes", "objects"}
+        assert first["objects"] > 1000 and first["rss_bytes"] > 10 * 2**20
+        keep: list[list[int]] = [[] for _ in range(5000)]  # 5000 new gc-tracked lists
+        assert stats.snapshot()["objects"] == first["objects"]  # cached within refresh_s
+        stats.refresh_s = 0.0
+        assert stats.snapshot()["objects"] >= first["objects"] + 4000
+        del keep
+    finally:
+        gc.enable()
 
 
 def test_debug_object_types(monkeypatch: pytest.MonkeyPatch) -> None:
