@@ -20,7 +20,7 @@ the prefix cached.
     .venv/bin/python scripts/build_llama_server.py     # once, ~10 min
     .venv/bin/python scripts/bench_vs_llama_server.py [--concurrency 1,4,8]
         [--scenarios distinct,repeated,chat] [--arrivals burst,staggered]
-        [--skiff-args "--prefix-reuse any"] [--json out.json]
+        [--skiff-args "--kernels upstream"] [--json out.json]
 """
 
 from __future__ import annotations
@@ -226,8 +226,8 @@ def main() -> int:
     parser.add_argument("--skiff-args", default="", help="extra skiff-worker flags")
     parser.add_argument(
         "--systems",
-        default="skiff,skiff-any,llama-server",
-        help="skiff (default flags), skiff-any (--prefix-reuse any), llama-server",
+        default="skiff,skiff-upstream,llama-server",
+        help="skiff (default flags), skiff-upstream (--kernels upstream), llama-server",
     )
     parser.add_argument("--cold-prefix", action="store_true", help="also the 1,000-token TTFT")
     parser.add_argument("--json", dest="json_path")
@@ -246,8 +246,8 @@ def main() -> int:
     results: dict[str, dict[str, dict[str, float]]] = {}
     makers: dict[str, Callable[[], Any]] = {
         "skiff": lambda: Skiff(model, shlex.split(args.skiff_args)),
-        "skiff-any": lambda: Skiff(
-            model, ["--prefix-reuse", "any", *shlex.split(args.skiff_args)], "skiff-any"
+        "skiff-upstream": lambda: Skiff(
+            model, ["--kernels", "upstream", *shlex.split(args.skiff_args)], "skiff-upstream"
         ),
         "llama-server": lambda: LlamaServer(binary, model),
     }
@@ -302,7 +302,7 @@ def _token_ids(
 
 def report(results: dict[str, dict[str, dict[str, float]]]) -> None:
     peer = results.get("llama-server", {})
-    for name in ("skiff", "skiff-any"):
+    for name in ("skiff", "skiff-upstream"):
         if name in results:
             _table(name, results[name], peer)
     for name, rows in results.items():
