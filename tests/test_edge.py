@@ -205,7 +205,10 @@ def test_maximal_verify_keeps_memory_bounded(client: Client, worker_process: Pro
     client.drop("v")
     before = _rss(worker_process)
     tokens = [5] * info["max_batch_tokens"]
-    out = client.call("verify", "fresh", {"tokens": tokens, "trim": False}).result
+    # ~74 turns of 7 rows each: on a busy machine that outlasts the client's
+    # default 60 s, so this one call gets a bound only a hang reaches.
+    req = client.send("verify", "fresh", {"tokens": tokens, "trim": False})
+    out = client.recv(req, timeout_ms=900_000).raise_for_error().result
     assert out["position"] == len(tokens) and len(out["predicted"]) == len(tokens)
     client.drop("fresh")
     grown = _rss(worker_process) - before
