@@ -3,14 +3,16 @@
 Why a patch: skiff promises that a row's logits do not depend on the batch
 around it (how many lanes share the forward, how a prompt is cut into
 chunks, how many threads run it, where its KV cells sit). ggml's CPU backend
-breaks that in three places, each a speed path that switches on with the
+can break that in three places, each a speed path that switches on with the
 shape of the batch:
 
-- llamafile's tinyBLAS (``llamafile_sgemm``) takes Q8_0/Q5_0/F16 matmuls of
-  2 or more rows; one row takes ggml's ``vec_dot``. Measured: equal up to 7
-  rows, different from 8.
 - the tiled K-quant matmul (``ggml_compute_forward_mul_mat_tiled``) takes
-  Q4_K/Q6_K matmuls of 8 or more rows.
+  Q4_K/Q6_K matmuls of 8 or more rows: the old "7-row rule" (upstream's own
+  ``GGML_CPU_TILED_MM=0`` turns it off; no patch needed).
+- llamafile's tinyBLAS (``llamafile_sgemm``) takes Q8_0/Q5_0 matmuls of 2 or
+  more rows; one row takes ggml's ``vec_dot``. Measured bit-identical on
+  AVX2 and AVX-512 for those types, so it stays on; its F16/F32 kernels are
+  not (the engine keeps flash attention on, so KQ never goes there).
 - flash attention splits the KV across threads for one query row of one
   stream once the KV holds 512 cells (``use_split_kv_path``), and tiles 64 or
   more query rows (``ggml_compute_forward_flash_attn_ext_tiled``): a lone

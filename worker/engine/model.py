@@ -160,6 +160,11 @@ class Engine:
             per_seq * cfg.n_seq > cfg.n_ctx if cfg.kv_unified is None else cfg.kv_unified
         )
         cparams.no_perf = True
+        if cfg.batch_invariant:
+            # The switches cover flash attention's kernels; without it (what
+            # "auto" could choose) KQ would be an F16 matmul that tinyBLAS
+            # tiles by batch size, so exact rows need it on.
+            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.tap: LayerTap | None = None
         if cfg.tap_layers:
             self.tap = LayerTap(cfg.tap_layers, cfg.tap_stop)
