@@ -4,8 +4,9 @@ skiff promises that a session's logits do not depend on where or with whom it
 ran. Those are claims about ggml's arithmetic, and ggml has one CPU backend
 per x86 level (x64, sse42, sandybridge, haswell, skylakex, icelake, zen4 ...)
 with different kernels. This script loads each variant in turn (the
-portable build, ``scripts/build_llama_portable.sh``, built once and cached;
-or the tuned build alone with ``--tuned``), runs the claims at the engine
+portable build, ``scripts/build_llama_portable.sh``, built once and cached,
+with only that variant left in its backend directory; or the tuned build
+alone with ``--tuned``), runs the claims at the engine
 level in a child process per variant and rule, and prints a table of
 variant x claim -> max abs logit diff (0 is exact), then the rule each
 variant needs: the switches of ``worker/engine/kernels.py`` under which
@@ -58,13 +59,11 @@ RULES = {
 # -- the child: one variant, one rule ------------------------------------------
 
 
-def _claims(lengths: list[int], rule: dict[str, bool]) -> dict[str, float]:
+def _claims(lengths: list[int], rule: dict[str, bool], model: str) -> dict[str, float]:
     import numpy as np
 
     from worker.engine import Engine, EngineConfig, Segment, kernels
-    from worker.models import default_model_path
 
-    model = str(default_model_path())
     forced = kernels.KernelRule(**rule)
 
     def engine(lanes: int, threads: int = 2) -> Engine:
@@ -183,13 +182,40 @@ def _portable(cache: Path) -> tuple[Path, Path]:
     return py, backends
 
 
+def _only(backend: Path) -> None:
+    """Leave exactly ``backend`` in the portable build's backend directory (the
+    one compiled in as GGML_BACKEND_DIR), the rest parked in ``all/``: ggml
+    loads the best variant it finds, so this is how one variant is chosen."""
+    folder = backend.parent
+    parked = folder / "all"
+    parked.mkdir(exist_ok=True)
+    for lib in folder.glob("libggml-cpu-*.so"):
+        lib.rename(parked / lib.name)
+    os.link(parked / backend.name, backend)
+
+
+def _restore(folder: Path) -> None:
+    parked = folder / "all"
+    if not parked.is_dir():
+        return
+    for lib in folder.glob("libggml-cpu-*.so"):
+        lib.unlink()
+    for lib in parked.glob("libggml-cpu-*.so"):
+        lib.rename(folder / lib.name)
+    parked.rmdir()
+
+
 def _run_child(py: Path, backend: Path | None, rule: str, lengths: list[int]) -> dict[str, Any]:
+    from worker.models import default_model_path
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("SKIFF_CPU_BACKEND", None)
     if backend is not None:
-        env["SKIFF_CPU_BACKEND"] = str(backend)
+        _only(backend)
     cmd = [str(py), __file__, "--child", rule, "--lengths", ",".join(map(str, lengths))]
+    cmd += ["--model", str(default_model_path())]  # the portable venv lacks the model package
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if backend is not None:
+        _restore(backend.parent)
     if proc.returncode == 3:
         return {"unsupported": True}
     if proc.returncode != 0:
@@ -208,6 +234,7 @@ def main() -> None:
         "--with-upstream", action="store_true", help="also run upstream's kernels (the contrast)"
     )
     ap.add_argument("--child", choices=sorted(RULES), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.child:
@@ -215,7 +242,7 @@ def main() -> None:
 
         try:
             t0 = time.monotonic()
-            worst = _claims(lengths, RULES[args.child])
+            worst = _claims(lengths, RULES[args.child], args.model)
         except EngineError as exc:
             print(exc, file=sys.stderr)
             sys.exit(3 if "cannot run" in str(exc) else 1)
@@ -230,6 +257,7 @@ def main() -> None:
         runs: list[tuple[str, Path, Path | None]] = [("tuned", Path(sys.executable), None)]
     else:
         py, backends = _portable(cache_dir())
+        _restore(backends)  # an interrupted run may have parked them
         names = sorted(p.name[len("libggml-cpu-") : -3] for p in backends.glob("libggml-cpu-*.so"))
         wanted = [v for v in args.variants.split(",") if v] or names
         runs = [(v, py, backends / f"libggml-cpu-{v}.so") for v in wanted]

@@ -51,8 +51,8 @@ _MEASURED: dict[str, KernelRule] = {level: KernelRule(llamafile=True) for level 
 STRICT = KernelRule()
 UPSTREAM = KernelRule(fa_one_row=False, tiled_mm=True, llamafile=True)
 
-# (level, the ggml features it needs), best first: how a tuned build (one
-# CPU backend compiled with this host's flags) is placed among the levels.
+# (level, the ggml features it needs), best first: how a CPU backend (a tuned
+# build's, or the variant a portable build loaded) is placed among the levels.
 _LEVELS: list[tuple[str, set[str]]] = [
     ("zen4", {"AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"}),
     ("cooperlake", {"AVX512", "AVX512_VNNI", "AVX512_BF16"}),
@@ -67,10 +67,8 @@ _LEVELS: list[tuple[str, set[str]]] = [
 ]
 
 
-def level_of(variant: str, features: list[str]) -> str:
-    """The x86 level of a loaded variant (a tuned build: by its features)."""
-    if variant != "tuned":
-        return variant
+def level_of(features: list[str]) -> str:
+    """The x86 level a CPU backend's features place it at."""
     have = set(features)
     for level, needs in _LEVELS:
         if needs <= have:
@@ -92,7 +90,7 @@ def describe(
 ) -> dict[str, Any]:
     """What ``info`` reports: variant, level, features, and the rule in force
     (``rule`` overrides the level's, for the exactness matrix)."""
-    level = level_of(variant, features)
+    level = level_of(features)
     if rule is None:
         rule = rule_for(level) if invariant else UPSTREAM
     return {

@@ -45,10 +45,6 @@ from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import restream
 from .tap import LayerTap, TapError
 
-# A portable build (GGML_BACKEND_DL) loads the best CPU variant it finds;
-# this names one ``libggml-cpu-<variant>.so`` to load instead (exactness matrix).
-CPU_BACKEND_ENV = "SKIFF_CPU_BACKEND"
-
 _backend: dict[str, Any] = {}  # what the process's backend was started with
 
 
@@ -60,33 +56,19 @@ def _ensure_backend(batch_invariant: bool, rule: kernels.KernelRule | None = Non
                 f"batch_invariant={_backend['cpu']['batch_invariant']}"
             )
         return
-    variant = os.environ.get(CPU_BACKEND_ENV)
-    if variant:
-        _load_cpu_variant(variant)
     ll.llama_backend_init()
     # Silence llama.cpp's own stderr chatter; we log what matters ourselves.
     ll.llama_log_set(_NULL_LOG, ctypes.c_void_p(0))
     text = ll.llama_print_system_info().decode("utf-8", "replace")
     features = sorted(set(re.findall(r"([A-Z0-9_]+) = 1", text)))
-    name = os.path.basename(variant) if variant else "tuned"
-    match = re.match(r"libggml-cpu-(.+)\.so$", name)
-    cpu = kernels.describe(match.group(1) if match else name, features, batch_invariant, rule)
+    # A tuned build links one CPU backend; a portable one (GGML_BACKEND_DL)
+    # loaded the best of its per-level variants, which the features name.
+    lib_dir = os.path.join(os.path.dirname(ll.__file__), "lib")
+    build = "tuned" if os.path.exists(os.path.join(lib_dir, "libggml-cpu.so")) else "portable"
+    cpu = kernels.describe(build, features, batch_invariant, rule)
     # ggml reads the switches at its first forward, which has not happened yet.
     kernels.apply(kernels.KernelRule(**cpu["rule"]))
     _backend["cpu"] = cpu
-
-
-def _load_cpu_variant(path: str) -> None:
-    """Register one CPU backend variant before llama.cpp loads the best one."""
-    lib_dir = os.path.join(os.path.dirname(ll.__file__), "lib")
-    ggml = ctypes.CDLL(os.path.join(lib_dir, "libggml.so"))
-    ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
-    ggml.ggml_backend_load.restype = ctypes.c_void_p
-    if not ggml.ggml_backend_load(path.encode()):
-        raise EngineError(
-            f"{CPU_BACKEND_ENV}={path}: not loaded (not a GGML_BACKEND_DL build, "
-            "or this CPU cannot run that variant)"
-        )
 
 
 @ll.llama_log_callback  # type: ignore[untyped-decorator]
