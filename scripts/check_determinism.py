@@ -15,7 +15,6 @@ for contrast (there, tokens depend on the batch, as in llama-server).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_stages import start  # noqa: E402  (a worker process on an ipc socket)
 
 from protocol import Client  # noqa: E402
 
@@ -36,16 +38,6 @@ PROMPTS = [
     "The capital of Australia is not Sydney but",
     "Photosynthesis turns sunlight into",
 ]
-
-
-def start(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    endpoint = f"ipc://{tmp}/{name}.sock"
-    log = (tmp / f"{name}.log").open("wb")
-    cmd = [sys.executable, "-m", "worker.cli", "--bind", endpoint, "--threads", "2", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    with Client(endpoint) as c:
-        c.wait_ready(120, alive=lambda: proc.poll() is None)
-    return proc, endpoint
 
 
 def together(endpoint: str, prompts: list[str], max_tokens: int) -> list[tuple[int, ...]]:
