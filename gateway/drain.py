@@ -220,10 +220,13 @@ class Drainer:
             return _error(exported, "export_state"), {}
         result = exported.get("result") or {}
         args = {"session_state": result.get("session_state"), "frame": result.get("frame")}
+        # The lane counts as taken from the send, as a placement's does: a stats
+        # request that overtakes the reply would otherwise count it twice.
+        target.lanes_taken += 1
         imported, _ = yield Call(target, "import_state", session, args, buffers)
         if not imported.get("ok"):
+            target.lanes_freed += 1
             return _error(imported, f"import_state on {target.name}"), {}
-        target.lanes_taken += 1
         dropped, _ = yield Call(w, "drop", session)
         if dropped.get("ok"):
             w.lanes_freed += 1
