@@ -18,9 +18,8 @@ sockets:
    plain decoding: the predictions, and the logits of the decode after;
 6. ``trim`` then re-decode, and the refused trim of an imported session
    below its window floor;
-7. a chain whose unified KV cache saw churn against one worker: the known
-   limit of docs/exactness.md, marked ``xfail(strict=True)`` so that the
-   fix turns it red until the mark goes.
+7. a chain whose cache saw churn (a session ahead of it dropped) against
+   one worker: a stage lays its KV out as a worker does, one stream per lane.
 
 A step's row ``i`` is the logits after feeding token ``i`` of a run at
 position ``n + i`` (token 0 is what ``prefill_sampled`` sampled). The side
@@ -598,22 +597,16 @@ def test_eight_concurrent_generate_streams_equal_each_session_alone(
     assert not failures, "; ".join(failures)
 
 
-# -- 7. the known limit: a unified KV cache after churn ----------------------------------
+# -- 7. churn on a chain ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/exactness.md, Known limit: in a unified KV cache (every stage has one) "
-    "find_slot puts a session's new tokens before its older cells once a session ahead "
-    "of it is dropped, and the one-row attention sums cells in cell order",
-)
 def test_a_chain_under_churn_equals_one_worker(
     reference: Callable[[int], Run], chains: Chains
 ) -> None:
-    """A session prefilled behind another that is then dropped decodes into
-    the freed cells, ahead of its own: its rows must still equal one
-    worker's. Last in the module, on the small chain: the churn leaves that
-    cache's cells out of order for whatever runs there next."""
+    """A session prefilled behind another that is then dropped: in a unified
+    cache its next tokens would land in the freed cells, ahead of its own,
+    and the attention sums would change order. Its rows must equal one
+    worker's."""
     ref = reference(600)
     with Client(chains.small, timeout_ms=TIMEOUT_MS) as head:
         head.prefill("churn-ahead", _prompt(head, "churn-ahead", 300))

@@ -47,7 +47,6 @@ def build_engine(
             n_threads=cfg.n_threads,
             repack=bool(cfg.repack),
             batch_invariant=cfg.kernels == "exact",
-            kv_unified=True if stage else None,
             tap_layers=(stage.tap_layer,) if stage and stage.tap_layer is not None else (),
             tap_stop=bool(stage and stage.tap_layer is not None),
         )

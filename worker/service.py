@@ -62,10 +62,8 @@ class LlmService:
         self.grammars: GrammarChecker | None = LlamaGrammars()
         self.rt = RuntimeState(
             engine,
-            # On a stage, a cached lane's cells would stay in the unified KV
-            # cache and move where a new session's cells land (and with them
-            # the attention kernels' sums): results would drift from a
-            # whole-model worker's. Stages keep no prefix cache.
+            # A prefix hit on a stage would need every later stage of the chain
+            # to hold the same prefix in the same lane: stages keep no cache.
             0 if stage else cfg.prefix_cache,
             tail=self.link,
             tap_layer=stage.tap_layer if stage else None,

@@ -91,6 +91,10 @@ class Batch:
         self.raw.n_tokens = row
         return row
 
+    def seqs(self) -> np.ndarray:
+        """The lane of each row of the last fill, in batch order."""
+        return self._seq_of_row[: int(self.raw.n_tokens)]
+
     def row(self, segment_index: int, offset: int = -1) -> int:
         """Batch row of token ``offset`` of a segment (negative from the end)."""
         n = self._lens[segment_index]
@@ -101,3 +105,48 @@ class Batch:
 
     def free(self) -> None:
         ll.llama_batch_free(self.raw)
+
+
+def ubatch_rows(seqs: Sequence[int], n_ubatch: int, per_lane_streams: bool) -> list[list[int]]:
+    """The batch rows of each micro-batch llama.cpp computes, in its order.
+
+    A unified KV cache splits a batch into runs of ``n_ubatch`` rows in batch
+    order. A cache with one stream per lane needs each micro-batch to hold
+    the same number of rows of each lane, lanes of consecutive ids, a lane's
+    rows together (``llama_batch_allocr::split_equal(n_ubatch, sequential=
+    true)``): rows come out of batch order. Logits are mapped back by
+    llama.cpp; a layer tap (``tap.py``) sees graph rows and is mapped back
+    with this. It mirrors llama.cpp's code, so the engine checks its result
+    against the captures' sizes (``Engine.take_taps``).
+    """
+    n = len(seqs)
+    if not per_lane_streams:
+        return [list(range(i, min(i + n_ubatch, n))) for i in range(0, n, n_ubatch)]
+    rows_of: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        rows_of.setdefault(int(s), []).append(i)
+    taken = dict.fromkeys(rows_of, 0)
+    used = [False] * n
+    left = n
+    out: list[list[int]] = []
+    while left:
+        lanes: list[int] = []
+        for i in range(n):
+            s = int(seqs[i])
+            if used[i] or s in lanes or (lanes and s != lanes[-1] + 1):
+                continue
+            lanes.append(s)
+            if len(lanes) > n_ubatch:
+                break
+        per: list[list[int]] = [[] for _ in lanes]
+        while all(taken[s] < len(rows_of[s]) for s in lanes):
+            for k, s in enumerate(lanes):
+                i = rows_of[s][taken[s]]
+                per[k].append(i)
+                used[i] = True
+                taken[s] += 1
+                left -= 1
+            if (len(per[0]) + 1) * len(lanes) > n_ubatch:
+                break
+        out.append([i for rows in per for i in rows])
+    return out

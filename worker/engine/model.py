@@ -40,7 +40,7 @@ import llama_cpp as ll
 import numpy as np
 
 from . import kernels
-from .batch import Batch, Segment
+from .batch import Batch, Segment, ubatch_rows
 from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import restream
 from .tap import LayerTap, TapError
@@ -281,9 +281,28 @@ class Engine:
         if self.tap is None:
             raise EngineError("this engine has no layer tap")
         try:
-            return self.tap.take()
+            got = self.tap.take()
         except TapError as exc:
             raise EngineError(str(exc)) from exc
+        if not got:
+            return {}
+        plan = ubatch_rows(self._last.seqs(), self.n_ubatch, self.n_stream > 1)
+        order = np.fromiter((i for rows in plan for i in rows), dtype=np.int64)
+        out: dict[int, np.ndarray] = {}
+        for layer, parts in got.items():
+            if [len(p) for p in parts] != [len(rows) for rows in plan]:
+                raise EngineError(
+                    f"layer {layer}: llama.cpp computed micro-batches of "
+                    f"{[len(p) for p in parts]} rows, not the {[len(r) for r in plan]} "
+                    "the engine mapped; its batch split changed"
+                )
+            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if self.n_stream > 1:  # a unified cache keeps batch order
+                placed = np.empty_like(rows)
+                placed[order] = rows
+                rows = placed
+            out[layer] = rows
+        return out
 
     def set_hidden(self, on: bool) -> None:
         """Whether the next decodes also output final hidden states.

@@ -10,7 +10,8 @@ one needed, return False: the scheduler stops computing the graph there, so
 the rest (and the 262k-row output head) costs nothing.
 
 The callback fires once per micro-batch, so a prompt longer than
-``n_ubatch`` yields several captures, concatenated in order. An exception
+``n_ubatch`` (or, with one KV stream per lane, a batch of several lanes)
+yields several captures; the engine puts their rows back in batch order. An exception
 inside the callback must not escape into C: it is stored, computing stops,
 and ``take`` raises it after ``llama_decode`` returns. The ctypes callback
 object is kept on the tap so it outlives every decode.
@@ -88,10 +89,12 @@ class LayerTap:
         self._got = {}
         self._error = None
 
-    def take(self) -> dict[int, np.ndarray]:
-        """The captures of the last decode, one array per layer (rows in batch order)."""
+    def take(self) -> dict[int, list[np.ndarray]]:
+        """The captures of the last decode: per layer, one array per micro-batch
+        in the order llama.cpp computed them (``batch.ubatch_rows`` maps them
+        back to batch order)."""
         error, got = self._error, self._got
         self.reset()
         if error is not None:
             raise TapError(f"layer capture failed: {error}") from error
-        return {k: v[0] if len(v) == 1 else np.concatenate(v) for k, v in got.items()}
+        return got

@@ -9,8 +9,10 @@ A stage holding layers ``[LO, HI)``:
   rows llama.cpp trims to the rows asked for logits).
 
 Slices are cut once and cached beside the source model (``slicer.cached_slice``).
-Stages use one unified KV cache so llama.cpp keeps a micro-batch's rows in
-batch order (the tap reads them in that order).
+A stage's KV cache is laid out as a whole worker's (one stream per lane
+unless ``--ctx-per-lane`` asks for more than an equal share), so a session's
+cells sit in the same order and its attention sums match bit for bit; the
+engine maps the tap's rows back to batch order (``engine/batch.py``).
 """
 
 from __future__ import annotations
