@@ -286,7 +286,7 @@ class Engine:
             raise EngineError(str(exc)) from exc
         if not got:
             return {}
-        plan = ubatch_rows(self._last.seqs(), self.n_ubatch, self.n_stream > 1)
+        plan = ubatch_rows(self._last.seqs().tolist(), self.n_ubatch, self.n_stream > 1)
         order = np.fromiter((i for rows in plan for i in rows), dtype=np.int64)
         out: dict[int, np.ndarray] = {}
         for layer, parts in got.items():
