@@ -174,6 +174,9 @@ class LlmService:
             "lanes": self.rt.lanes.n_lanes,
             "n_ctx": e.n_ctx,
             "n_ctx_per_lane": self.rt.ctx_per_lane,
+            # lanes share one KV cache (--ctx-per-lane above ctx / lanes): a
+            # session's cells then depend on its neighbours (docs/exactness.md)
+            "kv_unified": e.kv_unified,
             "n_batch": e.n_batch,
             "max_batch_tokens": self.cfg.budget,
             "prefill_chunk": self.cfg.prefill_chunk,
