@@ -66,7 +66,7 @@ def serve(argv: Sequence[str]) -> int:
         gateway = Gateway(cfg, metrics=metrics)
         address = cfg.http_address
         if address is not None:
-            from .http import HttpFront  # the HTTP side is only loaded when asked for
+            from .openai.http import HttpFront  # the HTTP side is only loaded when asked for
 
             # With CURVE the front dials the gateway as the gateway itself (its own
             # key is always allowed in, edge/zap.py).

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from protocol import Client, SkiffError  # noqa: E402
-from worker.speech.engine import (  # noqa: E402
+from speech.engine import (  # noqa: E402
     default_threads,
     load_piper_voice,
     packaged_voice_path,
@@ -81,7 +81,7 @@ class Runs:
 def start_worker(endpoint: str, threads: int, log_path: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "worker.speech.cli", "--bind", endpoint]
+    cmd = [sys.executable, "-m", "speech.cli", "--bind", endpoint]
     cmd += ["--threads", str(threads), "--log-format", "json", "--log-level", "warning"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)

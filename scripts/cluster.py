@@ -2,7 +2,7 @@
 
 Why: the gateway, the multi-worker tests and the load test need gateway + two
 LLM workers + a speech worker, and this machine has no container engine. The
-processes are the ones compose.yaml runs (``worker.cli``, ``worker.speech.cli``,
+processes are the ones compose.yaml runs (``worker.cli``, ``speech.cli``,
 ``gateway.cli``), bound to free loopback TCP ports (or ``ipc://`` sockets in
 the run directory), started detached so they outlive ``up``.
 
@@ -156,7 +156,7 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Proc]:
     for name in names:
         ep, metrics, log_path = endpoint(name), next(ports), str(run_dir / "logs" / f"{name}.log")
         if name == "speech":
-            argv = [py, "-m", "worker.speech.cli", "--bind", ep, "--threads", "1"]
+            argv = [py, "-m", "speech.cli", "--bind", ep, "--threads", "1"]
             argv += ["--log-format", "json", *flags["worker"]]
             procs.append(Proc(name, "speech", argv, ep, metrics, log_path))
         elif name == "gateway":

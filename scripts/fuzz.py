@@ -383,7 +383,7 @@ def spawn(target: str, tmp: Path) -> list[Proc]:
     if target == "worker":
         return [Proc("worker", WORKER, tmp)]
     if target == "speech":
-        return [Proc("speech", ["worker.speech.cli", "--threads", "1"], tmp)]
+        return [Proc("speech", ["speech.cli", "--threads", "1"], tmp)]
     tail = Proc("stage1", [*WORKER, "--layers", "9:18"], tmp)
     return [Proc("stage0", [*WORKER, "--layers", "0:9", "--next", tail.endpoint], tmp), tail]
 

@@ -98,10 +98,10 @@ class FakeApp:
     """The ``handlers.App`` protocol over a fake engine; submitted jobs are dropped."""
 
     def __init__(self) -> None:
-        from worker.chat import ChatTemplate
         from worker.config import WorkerConfig
+        from worker.core.chat import ChatTemplate
+        from worker.core.ticket import Outbox
         from worker.engine import LlamaGrammars
-        from worker.ticket import Outbox
 
         self.cfg = WorkerConfig(lanes=LANES, ctx=CTX)
         self.engine = FakeEngine()
@@ -123,7 +123,7 @@ class FakeApp:
         self.jobs = 0
 
     def ticket(self, req: Any) -> Any:
-        from worker.ticket import Ticket
+        from worker.core.ticket import Ticket
 
         return Ticket(owner=req.peer, id=req.id, op=req.op, outbox=self.outbox)
 
@@ -166,12 +166,12 @@ class Harness:
 
     def __init__(self, quiet: bool = False) -> None:
         from edge import EdgeConfig, EdgeServer
-        from worker.handlers import HANDLERS
-        from worker.tensor_handlers import TENSOR_HANDLERS
+        from worker.api.handlers import HANDLERS
+        from worker.api.tensors import TENSOR_HANDLERS
 
         tables: dict[str, Any] = {**HANDLERS, **TENSOR_HANDLERS}
         try:
-            from worker.media_handlers import MEDIA_HANDLERS
+            from worker.api.media import MEDIA_HANDLERS
 
             tables.update(MEDIA_HANDLERS)
         except ImportError:  # a tree without media ops
@@ -187,7 +187,7 @@ class Harness:
         llm = EdgeServer(EdgeConfig(bind=f"inproc://{name}-llm"), _Service(table), ctx)  # type: ignore[arg-type]
         self.services.append((llm, sorted(table)))
         try:
-            from worker.speech.server import SpeechService
+            from speech.server import SpeechService
 
             speech = SpeechService(FakeSpeech())  # type: ignore[arg-type]
             cap = speech.max_header_bytes

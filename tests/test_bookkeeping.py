@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from faults import LanesBusy, SessionNotActive
-from worker.jobs import chunk_bounds
+from worker.core.jobs.base import chunk_bounds
 from worker.runtime import LanePool
 
 

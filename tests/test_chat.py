@@ -13,11 +13,11 @@ from conftest import start_worker, stop_worker
 from edge import Request
 from faults import BadRequest
 from protocol import Client, SkiffError
-from worker import handlers
-from worker.chat import FALLBACK_TEMPLATE, ChatTemplate
-from worker.generate import ChatJob
+from worker.api import handlers
+from worker.api.validate import get_messages
+from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
+from worker.core.jobs.generate import ChatJob
 from worker.limits import Limits
-from worker.validate import get_messages
 
 SPECIAL = {"<eos>": 1, "<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106}
 

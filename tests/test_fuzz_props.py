@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from faults import Fault
 from protocol import codec, frames
-from worker import validate
+from worker.api import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -37,9 +37,9 @@ from fuzz_atheris import Harness  # noqa: E402
 from fuzzcases import ARG_NAMES, SAMPLING, Generator, Target  # noqa: E402
 
 try:
-    from worker.validate_sampling import get_sampling
+    from worker.api.sampling import get_sampling
 except ImportError:  # before sampling validation had its own module
-    from worker.validate import get_sampling  # type: ignore[attr-defined,no-redef]
+    from worker.api.validate import get_sampling  # type: ignore[attr-defined,no-redef]
 
 # No example database: the suite leaves nothing behind in the tree.
 PROPS = settings(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.generate import GenerateJob
+from worker.core.jobs.generate import GenerateJob
+from worker.core.ticket import Event, Outbox, Result, Ticket
 from worker.runtime import Session
-from worker.ticket import Event, Outbox, Result, Ticket
 
 
 class _Engine:

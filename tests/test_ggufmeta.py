@@ -1,4 +1,4 @@
-"""worker.stage.ggufmeta: GGUF metadata without gguf.GGUFReader's full parse.
+"""worker.slice.ggufmeta: GGUF metadata without gguf.GGUFReader's full parse.
 
 The reference is gguf.GGUFReader itself: every key the fast reader returns
 must equal what GGUFReader gives (arrays: their item type and length), on
@@ -15,14 +15,14 @@ from typing import Any
 import gguf
 import pytest
 
-from worker.stage.ggufmeta import (
+from worker.slice.ggufmeta import (
     GGUFArray,
     GGUFMetaError,
     Value,
     iter_metadata,
     read_metadata,
 )
-from worker.stage.slicer import SliceError, cached_slice, model_info
+from worker.slice.slicer import SliceError, cached_slice, model_info
 
 
 def _reference(path: Path) -> dict[str, Any]:

@@ -30,10 +30,10 @@ import zmq
 from openai.types.chat import ChatCompletionMessageParam
 
 from conftest import WAIT_S, wait_until
-from gateway.http import HttpFront
-from gateway.openai_errors import ApiError, from_skiff
-from gateway.openai_media import speech_args
-from gateway.openai_shapes import plan_chat, plan_completion
+from gateway.openai.errors import ApiError, from_skiff
+from gateway.openai.http import HttpFront
+from gateway.openai.media import speech_args
+from gateway.openai.shapes import plan_chat, plan_completion
 from protocol import Client, SkiffError, codec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -481,7 +481,7 @@ def speech_front(
     tmp = tmp_path_factory.mktemp("speech")
     endpoint = f"ipc://{tmp}/speech.sock"
     log = (tmp / "speech.log").open("wb")
-    cmd = [sys.executable, "-m", "worker.speech.cli", "--bind", endpoint, "--threads", "1"]
+    cmd = [sys.executable, "-m", "speech.cli", "--bind", endpoint, "--threads", "1"]
     proc = subprocess.Popen([*cmd, "--log-format", "json"], cwd=ROOT, stderr=log)
     with Client(endpoint) as probe:
         probe.wait_ready(90, alive=lambda: proc.poll() is None)

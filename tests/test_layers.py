@@ -1,9 +1,11 @@
 """The package's layers, checked from the code's own imports.
 
-Arrows point down: ``faults`` <- ``protocol`` <- ``edge`` <- ``worker``'s edge
-side (service, handlers, cli), and the core (scheduler, jobs, generation,
-runtime, engine) knows nothing of the wire. The client side (``protocol``,
-``edge``, ``loadtest``, ``gateway``) never reaches ``worker`` or ``llama_cpp``.
+Arrows point down: ``faults`` <- ``protocol`` <- ``edge`` <- the processes
+(``worker``, ``speech``, ``gateway``, ``loadtest``, never each other). Inside
+``worker`` the core rooms (``core``, ``runtime``, ``engine``) reach nothing of
+the wire, the edge or the rooms above them (``api``, ``chain``, the process),
+checked transitively, and a planted violation proves the check can fail.
+The client side never reaches ``worker`` or ``llama_cpp``.
 """
 
 from __future__ import annotations
@@ -14,29 +16,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("faults", "protocol", "edge", "worker", "loadtest", "gateway")
+PACKAGES = ("faults", "protocol", "edge", "worker", "speech", "loadtest", "gateway")
 
-# The core: what runs a request once it is typed. None of it may import the
-# wire (protocol, zmq, msgpack) or the edge.
-CORE = (
-    "worker.scheduler",
-    "worker.outcomes",
-    "worker.peers",
-    "worker.limits",
-    "worker.jobs",
-    "worker.batch_jobs",
-    "worker.generate",
-    "worker.media_feed",
-    "worker.media_jobs",
-    "worker.ticket",
-    "worker.speculative",
-    "worker.spec",
-    "worker.stats",
-    "worker.chat",
-    "worker.runtime",
-    "worker.engine",
+# The core rooms: what runs a request once it is typed. Nothing reachable from
+# them, however indirectly, may be the wire (protocol, zmq, msgpack), the edge,
+# or the worker's rooms above the line (request parsing, the chain's link, the
+# process: service, cli, config).
+CORE_ROOMS = ("worker.core", "worker.runtime", "worker.engine")
+ABOVE_THE_LINE = (
+    "protocol",
+    "zmq",
+    "msgpack",
+    "edge",
+    "worker.api",
+    "worker.chain",
+    "worker.service",
+    "worker.cli",
+    "worker.config",
+    "worker.metrics",
 )
-WIRE = ("protocol", "zmq", "msgpack", "edge")
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def _module_name(path: Path) -> str:
@@ -72,13 +74,39 @@ def _imports(path: Path, name: str, modules: set[str] | None = None) -> set[str]
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(external: bool = False) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (and, with ``external``, the
+    top-level names of everything else it imports: ``zmq``, ``msgpack``, ...)."""
     modules = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = _imports(path, name, set(modules))
         graph[name] = {m for m in found if m in modules and m != name}
+        if external:
+            graph[name] |= {m.split(".")[0] for m in found if m.split(".")[0] not in PACKAGES}
+            graph[name] |= {m for m in found if m not in modules and m.split(".")[0] in PACKAGES}
     return graph
+
+
+def _reach_above_the_line(graph: dict[str, set[str]]) -> list[str]:
+    """Import paths from a core room to anything above the line, transitively."""
+    found: list[str] = []
+    for root in sorted(n for n in graph if _under(n, CORE_ROOMS)):
+        seen = {root}
+        paths = {root: [root]}
+        todo = [root]
+        while todo:
+            node = todo.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt in seen:
+                    continue
+                seen.add(nxt)
+                paths[nxt] = [*paths[node], nxt]
+                if _under(nxt, ABOVE_THE_LINE):
+                    found.append(" -> ".join(paths[nxt]))
+                else:
+                    todo.append(nxt)
+    return found
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -116,24 +144,38 @@ def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_core_imports_nothing_of_the_wire() -> None:
-    offenders = []
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
-            name = _module_name(path)
-            if not any(name == c or name.startswith(c + ".") for c in CORE):
-                continue
-            imported = _imports(path, name)
-            bad = sorted(m for m in imported if any(m == w or m.startswith(w + ".") for w in WIRE))
-            if bad:
-                offenders.append(f"{name}: {bad}")
-    assert offenders == []
+def test_core_rooms_reach_nothing_above_the_line() -> None:
+    graph = _graph(external=True)
+    assert any(_under(n, ("worker.core",)) for n in graph)  # the rooms exist
+    assert _reach_above_the_line(graph) == []
+
+
+def test_a_planted_indirect_violation_is_found() -> None:
+    """The check follows imports through any module: a job importing request
+    validation (which loads ``protocol.frames``) must fail it."""
+    graph = _graph(external=True)
+    graph["worker.core.jobs.base"] = graph["worker.core.jobs.base"] | {"worker.limits"}
+    graph["worker.limits"] = graph["worker.limits"] | {"worker.api.validate"}
+    found = _reach_above_the_line(graph)
+    assert any(p.endswith("worker.limits -> worker.api.validate") for p in found), found
+    graph = _graph(external=True)
+    graph["worker.spec"] = graph["worker.spec"] | {"zmq"}
+    assert any("worker.spec -> zmq" in p for p in _reach_above_the_line(graph))
 
 
 def test_lower_layers_never_import_upper_ones() -> None:
     graph = _graph()
-    order = {"faults": 0, "protocol": 1, "edge": 2, "loadtest": 3, "worker": 3, "gateway": 3}
-    siblings = ({"loadtest", "worker"}, {"gateway", "worker"}, {"gateway", "loadtest"})
+    order = {
+        "faults": 0,
+        "protocol": 1,
+        "edge": 2,
+        "loadtest": 3,
+        "worker": 3,
+        "speech": 3,
+        "gateway": 3,
+    }
+    tops = ("loadtest", "worker", "speech", "gateway")
+    siblings = [{a, b} for a in tops for b in tops if a < b]
     upward = [
         f"{a} -> {b}"
         for a, targets in graph.items()
@@ -158,13 +200,14 @@ def _fresh_modules(code: str) -> set[str]:
 
 def test_client_side_leaves_llama_cpp_and_worker_out() -> None:
     loaded = _fresh_modules(
-        "import loadtest, loadtest.cli, protocol, edge, gateway.cli, gateway.http, gateway.server"
+        "import loadtest, loadtest.cli, protocol, edge, gateway.cli, gateway.openai.http, "
+        "gateway.server"
     )
     assert "llama_cpp" not in loaded
     assert not any(m == "worker" or m.startswith("worker.") for m in loaded)
 
 
 def test_argument_validation_loads_no_llama_cpp() -> None:
-    loaded = _fresh_modules("import worker.validate, worker.spec, worker.ticket")
-    assert "worker.validate" in loaded
+    loaded = _fresh_modules("import worker.api.validate, worker.spec, worker.core.ticket")
+    assert "worker.api.validate" in loaded
     assert "llama_cpp" not in loaded

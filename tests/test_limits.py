@@ -23,11 +23,11 @@ from conftest import start_worker, stop_worker
 from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import Client, SkiffError, frames
 from worker import config
-from worker.jobs import PrefillJob, SessionOpJob
+from worker.api.sampling import get_sampling
+from worker.api.validate import get_frame, get_messages, get_prompt_tokens, get_stops
+from worker.core.jobs.base import PrefillJob, SessionOpJob
+from worker.core.ticket import Event
 from worker.limits import FIELDS, Limits, flag, invalid
-from worker.ticket import Event
-from worker.validate import get_frame, get_messages, get_prompt_tokens, get_stops
-from worker.validate_sampling import get_sampling
 
 OTHER = b"other"
 

@@ -23,6 +23,7 @@ def test_ruff_clean() -> None:
         "protocol",
         "edge",
         "worker",
+        "speech",
         "loadtest",
         "gateway",
         "tests",

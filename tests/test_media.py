@@ -26,8 +26,8 @@ from media_images import TOKENS_PER_IMAGE, make_mmproj, png, rgb
 
 from conftest import WAIT_S, start_worker, stop_worker, wait_until
 from protocol import Client, SkiffError
-from worker.chat import FALLBACK_TEMPLATE, ChatTemplate
-from worker.speculative import lookup_draft
+from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
+from worker.core.speculative import lookup_draft
 
 MAX_PIXELS = 4096  # --max-image-pixels of the media worker (64 x 64)
 IMAGE = png(rgb(48, 48, 2))

@@ -348,7 +348,7 @@ def test_speech_worker_serves_metrics(tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/speech.sock"
     log_path = tmp_path / "speech.log"
     env = {**os.environ, "SKIFF_METRICS_PORT": str(port), "SKIFF_METRICS_HOST": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "worker.speech.cli", "--bind", endpoint, "--threads", "1"]
+    cmd = [sys.executable, "-m", "speech.cli", "--bind", endpoint, "--threads", "1"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:

@@ -15,11 +15,11 @@ import pytest
 
 from faults import BadRequest
 from protocol import Client, SkiffError
+from worker.api.sampling import get_sampling
 from worker.engine import Engine, EngineConfig
 from worker.engine.sampling import LlamaGrammars, Sampler, SamplerError, check_grammar, eog_tokens
 from worker.runtime import RuntimeState, Step
 from worker.spec import SamplerSpec
-from worker.validate_sampling import get_sampling
 
 PROMPT = "The capital of France is"
 REPEAT = "one one one one one one one one one one"

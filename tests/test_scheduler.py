@@ -27,19 +27,19 @@ from faults import (
     LanesBusy,
     QueueFull,
 )
-from worker.batch_jobs import AtomicBatchJob, BatchEntry
-from worker.generate import GenerateJob
-from worker.jobs import (
+from worker.core.jobs.base import (
     PHASE_PREFILL,
     DecodeJob,
     Job,
     PrefillJob,
     SessionOpJob,
 )
+from worker.core.jobs.batch import AtomicBatchJob, BatchEntry
+from worker.core.jobs.generate import GenerateJob
+from worker.core.scheduler import Scheduler, SchedulerConfig, TurnClock
+from worker.core.ticket import Event, Failure, Outbox, Output, Result, Ticket
 from worker.runtime import Ephemeral, Flight, LanePool, Session, SessionId, Step, StepResult
-from worker.scheduler import Scheduler, SchedulerConfig, TurnClock
 from worker.spec import SamplerSpec
-from worker.ticket import Event, Failure, Outbox, Output, Result, Ticket
 
 # -- helpers -------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import start_worker, stop_worker
 from protocol import Client, SkiffError
-from worker.speculative import accept, lookup_draft
+from worker.core.speculative import accept, lookup_draft
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 PROMPT = f"Python code:\n{CODE}\nThe same code again:\n"

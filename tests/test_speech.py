@@ -57,7 +57,7 @@ class Worker:
         self.log_path = tmp / "speech.log"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "worker.speech.cli", "--bind", self.endpoint]
+        cmd = [sys.executable, "-m", "speech.cli", "--bind", self.endpoint]
         cmd += ["--log-format", "json", *extra]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -360,7 +360,7 @@ def test_voice_by_path(small_worker: Worker) -> None:
 
 def test_missing_voice_file_exits_2(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "worker.speech.cli", "--voice", str(tmp_path / "none.onnx")]
+    cmd = [sys.executable, "-m", "speech.cli", "--voice", str(tmp_path / "none.onnx")]
     cmd += ["--bind", f"ipc://{tmp_path}/never.sock", "--log-format", "json"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=60)
     assert done.returncode == 2

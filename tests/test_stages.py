@@ -15,7 +15,7 @@ import pytest
 
 from conftest import WAIT_S, start_worker, stop_worker, wait_until
 from protocol import Client, SkiffError
-from worker.stage.slicer import slice_model, validate
+from worker.slice.slicer import slice_model, validate
 
 PROMPT = "The lighthouse keeper climbed the stairs every evening, and the sea below"
 

@@ -106,7 +106,7 @@ def _start(
     command = [str(c) for c in service["command"]]
     module = {
         "skiff-worker": "worker.cli",
-        "skiff-speech": "worker.speech.cli",
+        "skiff-speech": "speech.cli",
         "skiff-gateway": "gateway.cli",
     }[command[0]]
     log = (tmp / f"{name}.log").open("wb")

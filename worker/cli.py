@@ -16,14 +16,14 @@ from edge.memory import reexec_with_tunables
 from protocol.sockets import SocketOptions
 
 from . import config
+from .chain.setup import StagePlan, plan_stage
+from .core.speculative import DraftModel
 from .engine import Engine, EngineConfig
 from .engine.media import Projector
 from .metrics import WorkerMetrics
 from .models import resolve_model
 from .runtime import DraftRuntime
 from .service import LlmService
-from .speculative import DraftModel
-from .stage.setup import StagePlan, plan_stage
 
 # Stages share the cores with their neighbours: OpenMP threads must not spin
 # after a forward (see edge/memory.py for the measurement).

@@ -23,20 +23,20 @@ from faults import Fault, Internal, Unsupported
 from protocol import frames
 from protocol.envelope import VERSION, event_reply, ok_reply
 
-from .chat import ChatTemplate
+from .api.handlers import HANDLERS
+from .api.media import MEDIA_HANDLERS
+from .api.tensors import TENSOR_HANDLERS
+from .chain.setup import StagePlan, link_for
 from .config import WorkerConfig
+from .core.chat import ChatTemplate
+from .core.jobs.base import Job
+from .core.scheduler import Scheduler, SchedulerConfig
+from .core.speculative import DraftModel
+from .core.ticket import Event, Failure, Outbox, Output, Tensors, Ticket
 from .engine import Engine, LlamaGrammars
 from .engine.media import Projector
-from .handlers import HANDLERS
-from .jobs import Job
-from .media_handlers import MEDIA_HANDLERS
 from .runtime import RuntimeState
-from .scheduler import Scheduler, SchedulerConfig
 from .spec import GrammarChecker
-from .speculative import DraftModel
-from .stage.setup import StagePlan, link_for
-from .tensor_handlers import TENSOR_HANDLERS
-from .ticket import Event, Failure, Outbox, Output, Tensors, Ticket
 
 _log = get_logger("skiff.worker")
 

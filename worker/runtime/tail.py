@@ -2,7 +2,7 @@
 
 A pipeline stage that does not hold the model's last layer runs its own
 layers, then hands the hidden rows to a ``Tail`` (the next stage, reached
-over the wire by ``worker.stage.link``) and gets back what the last stage
+over the wire by ``worker.chain.link``) and gets back what the last stage
 sampled. The runtime only sees this protocol; it knows nothing of sockets.
 
 Forwards are asynchronous: ``send`` returns a ticket at once and ``poll``

@@ -23,7 +23,7 @@ from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import frames
 from protocol.envelope import MAX_SESSION_CHARS
 
-from .limits import Limits, check, flag
+from ..limits import Limits, check, flag
 
 _DEFAULT_LIMITS = Limits()
 

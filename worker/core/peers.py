@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Iterable
 
-from .jobs import Job
-from .limits import exceeded
-from .runtime import SessionId
+from ..limits import exceeded
+from ..runtime import SessionId
+from .jobs.base import Job
 
 QUOTA_RETRY_MS = 1000  # a peer's count goes down as its work ends: worth a retry
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .openai_errors import bad, not_found
+from .errors import bad, not_found
 
 SEED_MODULUS = 0xFFFFFFFF  # skiff seeds are [0, 2^32 - 1); 2^32 - 1 means "random"
 MAX_TOP_LOGPROBS = 20

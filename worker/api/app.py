@@ -16,19 +16,19 @@ from typing import Any, Protocol
 
 from edge import Request
 
-from .chat import ChatTemplate
-from .config import WorkerConfig
-from .engine import Engine
-from .engine.media import Projector
-from .jobs import Job
-from .limits import Limits
-from .runtime import RuntimeState
-from .scheduler import Scheduler
-from .spec import GrammarChecker, SamplerSpec
-from .speculative import DraftModel
-from .ticket import Ticket
+from ..config import WorkerConfig
+from ..core.chat import ChatTemplate
+from ..core.jobs.base import Job
+from ..core.scheduler import Scheduler
+from ..core.speculative import DraftModel
+from ..core.ticket import Ticket
+from ..engine import Engine
+from ..engine.media import Projector
+from ..limits import Limits
+from ..runtime import RuntimeState
+from ..spec import GrammarChecker, SamplerSpec
+from .sampling import get_sampling
 from .validate import get_prompt_tokens
-from .validate_sampling import get_sampling
 
 
 class App(Protocol):

@@ -19,11 +19,11 @@ from typing import Any
 from edge import Request
 from faults import BadRequest, ContextOverflow, Unsupported
 
-from .generate import ChatJob, GenerateJob
-from .handler_app import App, _sampling, _tokens
-from .limits import check
-from .runtime import Ephemeral, SessionId
-from .speculative import Drafter, PromptLookup
+from ..core.jobs.generate import ChatJob, GenerateJob
+from ..core.speculative import Drafter, PromptLookup
+from ..limits import check
+from ..runtime import Ephemeral, SessionId
+from .app import App, _sampling, _tokens
 from .validate import (
     get_bool,
     get_int,

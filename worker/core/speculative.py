@@ -19,8 +19,8 @@ from typing import Protocol
 
 __all__ = ["DraftModel", "Drafter", "PromptLookup", "accept", "lookup_draft"]
 
-from .runtime import DraftRuntime, Session
-from .runtime.rows import accept
+from ..runtime import DraftRuntime, Session
+from ..runtime.rows import accept
 
 
 def lookup_draft(history: Sequence[int], ngram: int, max_draft: int) -> list[int]:

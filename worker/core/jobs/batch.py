@@ -14,10 +14,10 @@ from typing import Any
 
 from faults import BadRequest, ContextOverflow, LanesBusy
 
-from .jobs import PHASE_ATOMIC, Job, tensors_of
-from .runtime import RuntimeState, Session, Step, StepResult
-from .spec import SamplerSpec
-from .ticket import Ticket
+from ...runtime import RuntimeState, Session, Step, StepResult
+from ...spec import SamplerSpec
+from ..ticket import Ticket
+from .base import PHASE_ATOMIC, Job, tensors_of
 
 
 class BatchEntry:

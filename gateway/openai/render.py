@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from .openai_shapes import GenPlan
+from .shapes import GenPlan
 
 LOGPROB_FLOOR = -9999.0
 

@@ -16,10 +16,7 @@ from edge import Request
 from faults import BadRequest, ContextOverflow, SessionNotActive
 from protocol.envelope import Op
 
-from .handlers import App, Handler, next_ephemeral, session_entries
-from .runtime import Origin
-from .runtime.rows import RowRule
-from .tensor_jobs import (
+from ..core.jobs.tensors import (
     POOLINGS,
     EmbedJob,
     ExportStateJob,
@@ -27,7 +24,11 @@ from .tensor_jobs import (
     StageForwardJob,
     StageStep,
 )
-from .ticket import Tensors
+from ..core.ticket import Tensors
+from ..runtime import Origin
+from ..runtime.rows import RowRule
+from .handlers import App, Handler, next_ephemeral, session_entries
+from .sampling import get_sampling
 from .validate import (
     check_request_tokens,
     get_bool,
@@ -38,7 +39,6 @@ from .validate import (
     get_session,
     get_str,
 )
-from .validate_sampling import get_sampling
 
 
 def h_embed(app: App, req: Request) -> dict[str, Any] | None:

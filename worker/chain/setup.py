@@ -25,8 +25,8 @@ from protocol.sockets import Curve
 
 from ..config import WorkerConfig, curve_keys
 from ..models import resolve_model
+from ..slice.slicer import SliceError, cached_slice, model_info, parse_range
 from .link import StageLink
-from .slicer import SliceError, cached_slice, model_info, parse_range
 
 
 @dataclass(frozen=True)

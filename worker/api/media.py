@@ -29,12 +29,12 @@ from edge import Request
 from faults import BadRequest, Unsupported
 from protocol.envelope import Op
 
-from .engine.media import Bitmap, MediaError, Projector, image_size
+from ..core.jobs.media import MediaGenerateJob, MediaPrefillJob
+from ..core.media_feed import MediaPrompt
+from ..engine.media import Bitmap, MediaError, Projector, image_size
 from .handlers import App, Handler, generate_job, h_chat, h_generate, prompt_chars
-from .media_feed import MediaPrompt
-from .media_jobs import MediaGenerateJob, MediaPrefillJob
+from .sampling import get_sampling
 from .validate import get_bool, get_int, get_messages, get_outputs, get_session, get_str
-from .validate_sampling import get_sampling
 
 # Media items one request may carry (each is at least one position and an encode).
 MAX_MEDIA_ITEMS = 64

@@ -22,10 +22,10 @@ import numpy as np
 
 from faults import BadRequest, Cancelled
 
-from .runtime import RuntimeState, Session, SessionId, Step, StepResult
-from .runtime.rows import RowRule
-from .spec import SamplerSpec
-from .ticket import Tensors, Ticket
+from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
+from ...runtime.rows import RowRule
+from ...spec import SamplerSpec
+from ..ticket import Tensors, Ticket
 
 # Tokens a settled verify feeds (no logits) per turn.
 _FEED_PIECE = 256

@@ -44,10 +44,10 @@ from structlog import get_logger
 
 from faults import Cancelled, DeadlineExceeded, EngineFault, Fault, LanesBusy, QueueFull
 
-from .jobs import PHASE_ATOMIC, PHASE_DECODE, Job
+from ..runtime import RuntimeState, SessionId, Step
+from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job
 from .outcomes import ForwardOutcomes, TurnClock, _Flying
 from .peers import PeerLimits
-from .runtime import RuntimeState, SessionId, Step
 from .stats import SchedulerStats
 
 # TurnClock moved to outcomes.py; it stays importable from here.

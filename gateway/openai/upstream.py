@@ -37,7 +37,7 @@ from faults import ErrorCode
 from protocol import AsyncClient, Reply, SkiffError
 from protocol.sockets import Curve, SocketOptions
 
-from .openai_errors import ApiError, from_skiff, unavailable
+from .errors import ApiError, from_skiff, unavailable
 
 log = get_logger("gateway.http")
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from faults import BadRequest
 
-from .limits import Limits, check
-from .spec import (
+from ..limits import Limits, check
+from ..spec import (
     DEFAULT_DRY_BREAKERS,
     DEFAULT_SAMPLERS,
     DEFAULT_SEED,

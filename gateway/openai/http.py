@@ -9,8 +9,8 @@ Endpoints: ``POST /v1/completions`` (``generate``), ``POST
 /v1/chat/completions`` (``chat``: the worker renders its chat template),
 ``POST /v1/embeddings`` (``embed``), ``POST /v1/audio/speech``
 (``synthesize`` on ``speech_upstream``, else on ``upstream``), ``GET
-/v1/models``, ``GET /health``. Field mapping: ``openai_shapes``; responses:
-``openai_render``; error statuses: ``openai_errors``.
+/v1/models``, ``GET /health``. Field mapping: ``shapes``; responses:
+``render``; error statuses: ``errors``.
 
 Streams are server-sent events ending in ``data: [DONE]``. The first upstream
 reply is awaited before any byte is sent, so a refused request (bad argument,
@@ -33,11 +33,11 @@ from aiohttp import web
 from edge.logs import get_logger
 from protocol.sockets import Curve
 
-from .openai_errors import ApiError, bad, not_found
-from .openai_media import Speech, embeddings
-from .openai_render import Shaper, finish_reason, tokens_of
-from .openai_shapes import GenPlan, plan_chat, plan_completion
-from .openai_upstream import Pending, Upstream, api_error_of
+from .errors import ApiError, bad, not_found
+from .media import Speech, embeddings
+from .render import Shaper, finish_reason, tokens_of
+from .shapes import GenPlan, plan_chat, plan_completion
+from .upstream import Pending, Upstream, api_error_of
 
 log = get_logger("gateway.http")
 
@@ -90,7 +90,7 @@ class HttpFront:
     decides ``/health``; without it ``/health`` is 200 while ``upstream``
     answers ``ping``. ``request_timeout_s`` bounds the wait for each upstream
     reply (504 after it); ``health_interval_s`` / ``down_after_s`` pace the
-    ping that ``/health`` and the fail-fast 503 rely on (``openai_upstream``).
+    ping that ``/health`` and the fail-fast 503 rely on (``upstream``).
     """
 
     def __init__(

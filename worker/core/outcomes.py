@@ -19,8 +19,8 @@ from structlog import get_logger
 
 from faults import EngineFault, Fault
 
-from .jobs import MIN_CUT, PHASE_DECODE, Job
-from .runtime import Flight, RuntimeState, SessionId, Step, StepResult
+from ..runtime import Flight, RuntimeState, SessionId, Step, StepResult
+from .jobs.base import MIN_CUT, PHASE_DECODE, Job
 from .stats import SchedulerStats
 
 _log = get_logger("skiff.scheduler")

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from faults import BadRequest, Internal
 
-from .engine.media import Bitmap, Chunks, MediaError, Projector, ProjectorError
-from .runtime import Session, Step, StepResult
-from .spec import SamplerSpec
+from ..engine.media import Bitmap, Chunks, MediaError, Projector, ProjectorError
+from ..runtime import Session, Step, StepResult
+from ..spec import SamplerSpec
 
 MEDIA_TOKEN = -1  # a session-history entry for a position without a token id
 

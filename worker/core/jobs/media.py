@@ -24,13 +24,13 @@ from typing import Any
 
 from faults import Cancelled, ContextOverflow, Fault, LanesBusy
 
+from ...limits import check
+from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
+from ...spec import SamplerSpec
+from ..media_feed import MediaFeed, MediaPrompt, feed_for
+from ..ticket import Ticket
+from .base import PHASE_PREFILL, Job, tensors_of
 from .generate import GenerateJob
-from .jobs import PHASE_PREFILL, Job, tensors_of
-from .limits import check
-from .media_feed import MediaFeed, MediaPrompt, feed_for
-from .runtime import RuntimeState, Session, SessionId, Step, StepResult
-from .spec import SamplerSpec
-from .ticket import Ticket
 
 
 def _admission(rt: RuntimeState, sid: SessionId) -> tuple[Session | None, list[int]]:

@@ -15,12 +15,12 @@ import numpy as np
 
 from faults import BadRequest, LanesBusy
 
-from .jobs import PHASE_ATOMIC, Job, PrefillJob
-from .runtime import Origin, RuntimeState, Session, SessionId, Step, StepResult
-from .runtime.portable import export_session, import_session
-from .runtime.rows import RowRule
-from .spec import SamplerSpec
-from .ticket import Tensors, Ticket
+from ...runtime import Origin, RuntimeState, Session, SessionId, Step, StepResult
+from ...runtime.portable import export_session, import_session
+from ...runtime.rows import RowRule
+from ...spec import SamplerSpec
+from ..ticket import Tensors, Ticket
+from .base import PHASE_ATOMIC, Job, PrefillJob
 
 POOLINGS = ("none", "mean", "last")
 

@@ -25,20 +25,20 @@ from edge import Request
 from faults import BadRequest, SessionNotActive
 from protocol.envelope import Op
 
-from .batch_jobs import AtomicBatchJob, BatchEntry
-from .generate_handlers import (
+from ..core.jobs.base import (
+    DecodeJob,
+    PrefillJob,
+    SessionOpJob,
+    VerifyJob,
+)
+from ..core.jobs.batch import AtomicBatchJob, BatchEntry
+from .app import App, Handler, _sampling, _tokens
+from .generate import (
     generate_job,
     h_chat,
     h_generate,
     next_ephemeral,
     prompt_chars,
-)
-from .handler_app import App, Handler, _sampling, _tokens
-from .jobs import (
-    DecodeJob,
-    PrefillJob,
-    SessionOpJob,
-    VerifyJob,
 )
 from .validate import (
     check_logit_rows,

@@ -25,9 +25,9 @@ from aiohttp import web
 
 from edge.logs import get_logger
 
-from .openai_errors import ApiError, bad
-from .openai_shapes import check_model
-from .openai_upstream import Upstream
+from .errors import ApiError, bad
+from .shapes import check_model
+from .upstream import Upstream
 
 log = get_logger("gateway.http")
 
