@@ -5,7 +5,7 @@
 
 Each input is one request as the edge receives it: bytes -> ``codec.decode``
 (size and depth caps) -> the envelope checks -> the op's handler from the
-worker's real tables (``handlers.HANDLERS`` + ``tensor_handlers.TENSOR_HANDLERS``,
+worker's real op table (``worker.api.ops.OPS``,
 ``forward_frame`` included) or the speech worker's, over a fake model
 (vocabulary size, embedding width, lanes: no llama_decode runs; grammars are
 parsed by llama.cpp's real parser) -> tensor frames parsed -> outputs written
@@ -166,16 +166,9 @@ class Harness:
 
     def __init__(self, quiet: bool = False) -> None:
         from edge import EdgeConfig, EdgeServer
-        from worker.api.handlers import HANDLERS
-        from worker.api.tensors import TENSOR_HANDLERS
+        from worker.api.ops import OPS
 
-        tables: dict[str, Any] = {**HANDLERS, **TENSOR_HANDLERS}
-        try:
-            from worker.api.media import MEDIA_HANDLERS
-
-            tables.update(MEDIA_HANDLERS)
-        except ImportError:  # a tree without media ops
-            pass
+        tables: dict[str, Any] = dict(OPS)
 
         if quiet:  # the edge logs every refusal; libFuzzer's output is what matters here
             structlog.configure(logger_factory=lambda *a: structlog.ReturnLogger())

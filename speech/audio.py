@@ -58,20 +58,5 @@ def wav_bytes(samples: Samples, sample_rate: int) -> bytes:
     return out.getvalue()
 
 
-def read_wav(data: bytes | memoryview) -> tuple[Samples, int]:
-    """Parse a mono s16le WAV into samples and its sample rate."""
-    with wave.open(io.BytesIO(bytes(data)), "rb") as wav:
-        if wav.getsampwidth() != SAMPLE_WIDTH or wav.getnchannels() != CHANNELS:
-            raise ValueError("expected mono 16-bit PCM WAV")
-        rate = wav.getframerate()
-        raw = wav.readframes(wav.getnframes())
-    return np.frombuffer(raw, dtype="<i2").astype(np.int16), rate
-
-
-def from_pcm(data: bytes | memoryview) -> Samples:
-    """View a PCM s16le buffer as int16 samples (a copy, so it outlives the frame)."""
-    return np.frombuffer(data, dtype="<i2").astype(np.int16)
-
-
 def duration_ms(sample_count: int, sample_rate: int) -> float:
     return 1000.0 * sample_count / sample_rate if sample_rate else 0.0

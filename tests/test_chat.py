@@ -13,7 +13,7 @@ from conftest import start_worker, stop_worker
 from edge import Request
 from faults import BadRequest
 from protocol import Client, SkiffError
-from worker.api import handlers
+from worker.api.generate import h_chat
 from worker.api.validate import get_messages
 from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
 from worker.core.jobs.generate import ChatJob
@@ -161,13 +161,13 @@ def test_chat_job_gets_the_end_of_turn_stop() -> None:
         return Request(b"p", 1, "chat", None, args, [], 0.0, None)
 
     args = {"messages": CONVO, "stop": ["x"], "stop_tokens": [7]}
-    handlers.h_chat(app, request(args))  # type: ignore[arg-type]
+    h_chat(app, request(args))  # type: ignore[arg-type]
     (job,) = jobs
     assert isinstance(job, ChatJob) and job.ephemeral
     assert job.stop_tokens == {7, 106} and job.stop == ["x", "<end_of_turn>"]
     assert job.prompt == vocab.tokenize(GEMMA_CONVO, False, True)
     with pytest.raises(BadRequest, match="not prompt"):
-        handlers.h_chat(app, request({"messages": CONVO, "prompt": "x"}))  # type: ignore[arg-type]
+        h_chat(app, request({"messages": CONVO, "prompt": "x"}))  # type: ignore[arg-type]
 
 
 # -- over the socket ------------------------------------------------------------------

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("faults", "protocol", "edge", "worker", "speech", "loadtest", "gateway")
 
@@ -211,3 +213,16 @@ def test_argument_validation_loads_no_llama_cpp() -> None:
     loaded = _fresh_modules("import worker.api.validate, worker.spec, worker.core.ticket")
     assert "worker.api.validate" in loaded
     assert "llama_cpp" not in loaded
+
+
+def test_every_op_has_one_handler() -> None:
+    """``generate`` and ``chat`` once shadowed each other by dict-merge order;
+    the op table now refuses an op defined twice."""
+    from worker.api.ops import OPS, join
+
+    with pytest.raises(ValueError, match="defined twice"):
+        join({"a": OPS["ping"]}, {"a": OPS["info"]})
+    from protocol.envelope import Op
+
+    assert OPS[Op.GENERATE].__module__ == "worker.api.media"
+    assert OPS[Op.PREFILL].__module__ == "worker.api.handlers"

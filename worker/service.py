@@ -23,9 +23,7 @@ from faults import Fault, Internal, Unsupported
 from protocol import frames
 from protocol.envelope import VERSION, event_reply, ok_reply
 
-from .api.handlers import HANDLERS
-from .api.media import MEDIA_HANDLERS
-from .api.tensors import TENSOR_HANDLERS
+from .api.ops import OPS
 from .chain.setup import StagePlan, link_for
 from .config import WorkerConfig
 from .core.chat import ChatTemplate
@@ -90,7 +88,7 @@ class LlmService:
         self.outbox = Outbox()
         self._handlers: dict[str, Handler] = {
             op: functools.partial(fn, self) if allowed(op, stage) else _refuse(op, stage)
-            for op, fn in {**HANDLERS, **TENSOR_HANDLERS, **MEDIA_HANDLERS}.items()
+            for op, fn in OPS.items()
         }
         self.requests = 0
         self.draining = False  # SIGTERM: finishing accepted work, refusing new

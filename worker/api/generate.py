@@ -2,11 +2,10 @@
 
 Reads what a generation asks (stops, ``max_tokens``, speculative decoding,
 logprobs, outputs), names its session (the request's, or a fresh ephemeral
-one) and builds the ``GenerateJob`` / ``ChatJob``; ``media_handlers`` builds
-its media generations on ``generate_job`` too. Kept apart from
-``handlers.py`` (the model-level ops: tokenize, prefill, decode, batches,
-verify, session ops) because a generation's arguments are a surface of their
-own; ``handlers.py`` re-exports these names and keeps them in ``HANDLERS``.
+one) and builds the ``GenerateJob`` / ``ChatJob``. The op table's
+``generate`` and ``chat`` are ``media.py``'s, which call ``h_generate`` /
+``h_chat`` here for a request without media and build media generations on
+``generate_job``.
 """
 
 from __future__ import annotations

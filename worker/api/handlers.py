@@ -1,4 +1,4 @@
-"""One handler per op, in one dispatch table.
+"""The model-level ops' handlers: tokenize, prefill, decode, batches, verify, sessions.
 
 A handler turns an edge ``Request`` (envelope already checked) into typed
 values — ``bad_request`` naming the field, ``context_overflow`` for tokens
@@ -8,10 +8,10 @@ job and submits it to the scheduler (returns None; the job answers through
 its ticket). Handlers never touch the socket or llama.cpp beyond the
 engine's tokenizer.
 
-The generation ops (``generate``, ``chat``: ``generate_job`` and its
-readers) are in ``generate_handlers.py``; the ``App`` protocol, the
-``Handler`` type and the shared readers in ``handler_app.py``. Both are
-re-exported here, and ``HANDLERS`` still holds every op of this module.
+The generation ops (``generate``, ``chat``) are in ``generate.py`` and
+``media.py`` (one handler each, with or without media); the ``App``
+protocol, the ``Handler`` type and the shared readers in ``app.py``;
+``ops.py`` joins the tables into the service's one op table.
 """
 
 from __future__ import annotations
@@ -33,13 +33,6 @@ from ..core.jobs.base import (
 )
 from ..core.jobs.batch import AtomicBatchJob, BatchEntry
 from .app import App, Handler, _sampling, _tokens
-from .generate import (
-    generate_job,
-    h_chat,
-    h_generate,
-    next_ephemeral,
-    prompt_chars,
-)
 from .validate import (
     check_logit_rows,
     check_request_tokens,
@@ -53,36 +46,6 @@ from .validate import (
     get_str,
     get_tokens,
 )
-
-# Names moved to handler_app.py / generate_handlers.py stay importable from here.
-__all__ = [
-    "HANDLERS",
-    "App",
-    "Handler",
-    "generate_job",
-    "h_align",
-    "h_cancel",
-    "h_chat",
-    "h_decode",
-    "h_decode_batch",
-    "h_detokenize",
-    "h_drop",
-    "h_generate",
-    "h_info",
-    "h_iteration_batch",
-    "h_ping",
-    "h_prefill",
-    "h_prefill_sampled",
-    "h_signal",
-    "h_signal_window",
-    "h_stats",
-    "h_tokenize",
-    "h_trim",
-    "h_verify",
-    "next_ephemeral",
-    "prompt_chars",
-    "session_entries",
-]
 
 
 def h_ping(app: App, req: Request) -> dict[str, Any] | None:
@@ -308,8 +271,6 @@ HANDLERS: dict[str, Handler] = {
     Op.TRIM: h_trim,
     Op.ALIGN: h_align,
     Op.DROP: h_drop,
-    Op.GENERATE: h_generate,
-    Op.CHAT: h_chat,
     Op.CANCEL: h_cancel,
     Op.VERIFY: h_verify,
     Op.SIGNAL: h_signal,

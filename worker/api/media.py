@@ -13,7 +13,7 @@ becomes the marker at its place.
 
 Without a projector (``--mmproj``) media is ``unsupported``; ``generate`` and
 ``chat`` without media go to the plain handlers unchanged.
-``MEDIA_HANDLERS`` joins the service's op table after ``HANDLERS``.
+``MEDIA_HANDLERS`` holds the op table's ``generate`` and ``chat`` (``ops.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from protocol.envelope import Op
 from ..core.jobs.media import MediaGenerateJob, MediaPrefillJob
 from ..core.media_feed import MediaPrompt
 from ..engine.media import Bitmap, MediaError, Projector, image_size
-from .handlers import App, Handler, generate_job, h_chat, h_generate, prompt_chars
+from .app import App, Handler
+from .generate import generate_job, h_chat, h_generate, prompt_chars
 from .sampling import get_sampling
 from .validate import get_bool, get_int, get_messages, get_outputs, get_session, get_str
 

@@ -3,7 +3,7 @@
 ``embed``, ``export_state`` / ``import_state`` (session state), ``echo``
 (frame path checks) and ``forward_frame`` (stage to stage). Same rules as
 ``handlers``: validate into typed values at the edge, then submit a job.
-``TENSOR_HANDLERS`` joins ``handlers.HANDLERS`` in the service's table.
+``TENSOR_HANDLERS`` is one part of the op table (``ops.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from ..core.jobs.tensors import (
 from ..core.ticket import Tensors
 from ..runtime import Origin
 from ..runtime.rows import RowRule
-from .handlers import App, Handler, next_ephemeral, session_entries
+from .app import App, Handler
+from .generate import next_ephemeral
+from .handlers import session_entries
 from .sampling import get_sampling
 from .validate import (
     check_request_tokens,

@@ -137,14 +137,6 @@ class StageLink:
         landed, self._landed = self._landed, {}
         return landed
 
-    def wait(self, ticket: int) -> list[TailResult]:
-        while ticket not in self._landed:
-            self._pump(self.timeout_ms)
-        landed = self._landed.pop(ticket)
-        if isinstance(landed, Fault):
-            raise landed
-        return landed
-
     @property
     def in_flight(self) -> int:
         return sum(1 for p in self._pending.values() if p.steps is not None)

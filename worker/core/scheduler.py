@@ -209,8 +209,8 @@ class Scheduler(ForwardOutcomes):
                 self._finish(job, reason)
 
     def _stop_reason(self, job: Job, now: float, queued: bool) -> Fault | None:
-        if job.cancelled or job.ticket.dead:
-            return Cancelled("request cancelled" if job.cancelled else "peer stopped receiving")
+        if job.cancelled:
+            return Cancelled("request cancelled")
         if job.ticket.expired(now):
             return DeadlineExceeded("deadline passed")
         if queued and job.waits_for_lane:

@@ -102,11 +102,9 @@ class Ticket:
     deadline: float | None = None  # monotonic seconds
     received: float = field(default_factory=time.monotonic)
     finished: bool = False
-    dead: bool = False  # the edge could not deliver to the owner: stop working for it
 
     def _put(self, output: Output) -> None:
-        if not self.dead:
-            self.outbox.put(self, output)
+        self.outbox.put(self, output)
 
     def reply(self, data: dict[str, Any], tensors: Tensors | None = None) -> None:
         self.finished = True

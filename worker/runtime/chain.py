@@ -41,12 +41,6 @@ class ChainHost(Protocol):
     def check_position(self, session: Session) -> None: ...
 
 
-def forward_chain(rt: ChainHost, steps: Sequence[Step]) -> list[StepResult]:
-    """Run the steps through the whole chain and wait for the result."""
-    assert rt.tail is not None
-    return land_chain(rt, steps, rt.tail.wait(launch_chain(rt, steps)))
-
-
 def launch_chain(rt: ChainHost, steps: Sequence[Step]) -> int:
     """Run this stage's layers over the steps and send the rows on; returns
     the tail's ticket. The sessions' positions move now (the local cells

@@ -26,7 +26,7 @@ from typing import Any
 from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch
 
 from ..engine import Engine, OutputMode, Segment
-from .chain import Flight, forward_chain, launch_chain
+from .chain import Flight, launch_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
 from .outputs import RowOutputs
 from .prefix import MIN_PREFIX_REUSE, PrefixStats
@@ -225,6 +225,8 @@ class RuntimeState(RowOutputs):
         decode per group, each sampled before the next decode overwrites
         the logits.
         """
+        # a stage's scheduler launches its forwards down the chain instead
+        assert self.tail is None, "a chained runtime runs launch / land, not forward"
         for step in steps:
             self.ensure_room(step.session, len(step.tokens))
         groups = _groups(steps)
@@ -303,8 +305,6 @@ class RuntimeState(RowOutputs):
             )
             for s in steps
         ]
-        if self.tail is not None:
-            return forward_chain(self, steps)
         if non_causal and sum(len(s) for s in segments) > self.engine.n_ubatch:
             # llama.cpp would abort the process; jobs check this before admission
             raise BadRequest(

@@ -70,10 +70,6 @@ class Tail(Protocol):
         forward as ``StageUnavailable``."""
         ...
 
-    def wait(self, ticket: int) -> list[TailResult]:
-        """Block until ``ticket`` comes home; raise its fault if it failed."""
-        ...
-
     def session_op(self, op: str, session: str, token_count: int = 0) -> None:
         """Repeat a trim / drop downstream so every stage's cells agree."""
         ...
