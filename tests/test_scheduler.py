@@ -36,7 +36,8 @@ from worker.core.jobs.base import (
 )
 from worker.core.jobs.batch import AtomicBatchJob, BatchEntry
 from worker.core.jobs.generate import GenerateJob
-from worker.core.scheduler import Scheduler, SchedulerConfig, TurnClock
+from worker.core.outcomes import TurnClock
+from worker.core.scheduler import Scheduler, SchedulerConfig
 from worker.core.ticket import Event, Failure, Outbox, Output, Result, Ticket
 from worker.runtime import Ephemeral, Flight, LanePool, Session, SessionId, Step, StepResult
 from worker.spec import SamplerSpec
@@ -833,15 +834,15 @@ def test_prefill_is_cut_to_the_time_left_while_streams_decode() -> None:
     h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256, cadence=2.5)
     h.submit(h.generate(max_tokens=50))
     h.turn()  # the stream is decoding from now on
-    h.sched.clock.decode_ms, h.sched.clock.prefill_ms_per_token = 80.0, 4.0
-    h.sched.clock.record = lambda *a: None  # type: ignore[method-assign]  # keep the costs fixed
+    h.sched.outcomes.clock.decode_ms, h.sched.outcomes.clock.prefill_ms_per_token = 80.0, 4.0
+    h.sched.outcomes.clock.record = lambda *a: None  # type: ignore[method-assign]  # keep the costs fixed
     h.submit(h.prefill("p", 100))
     h.turn(3)
     sizes = [[len(r.tokens) for r in call] for call in h.rt.calls[1:4]]
     assert sizes == [[1, 30], [1, 30], [1, 30]]
     # Without streams, the prompt's piece is taken whole.
     h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256, cadence=2.5)
-    h.sched.clock.decode_ms, h.sched.clock.prefill_ms_per_token = 80.0, 4.0
+    h.sched.outcomes.clock.decode_ms, h.sched.outcomes.clock.prefill_ms_per_token = 80.0, 4.0
     h.submit(h.prefill("p", 100))
     h.turn()
     assert [len(r.tokens) for r in h.rt.calls[0]] == [100]

@@ -1,25 +1,26 @@
 """What becomes of a forward the scheduler planned: results, failures, flights.
 
-``ForwardOutcomes`` is the part of ``Scheduler`` that runs after a turn's
-forward: each measured forward feeds the stats and the ``TurnClock`` (what a
-turn costs, which the planner's cadence budget reads), its results are handed
-to the jobs that own its steps, a failed forward is isolated (jobs whose KV
-moved fail, the others run again alone), and a pipeline stage's forwards go
-down the chain (``_launch``) and come home (``_land``) while other work runs.
-Kept apart from ``scheduler.py`` (intake, reaping, admission, planning) so
-each half reads on its own; ``scheduler.py`` re-exports ``TurnClock``.
+``Outcomes`` is what the ``Scheduler`` hands a planned forward to: each
+measured forward feeds the stats and the ``TurnClock`` (what a turn costs,
+which the planner's cadence budget reads), its results go to the jobs that
+own its steps, a failed forward is isolated (jobs whose KV moved fail, the
+others run again alone), and a pipeline stage's forwards go down the chain
+(``launch``) and come home (``land``) while other work runs. The scheduler
+owns the jobs (intake, reaping, admission, planning) and lends ``finish``;
+this object owns the clock and the flights.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from structlog import get_logger
 
 from faults import EngineFault, Fault
 
-from ..runtime import Flight, RuntimeState, SessionId, Step, StepResult
+from ..runtime import Flight, RuntimeState, Step, StepResult
 from .jobs.base import MIN_CUT, PHASE_DECODE, Job
 from .stats import SchedulerStats
 
@@ -61,19 +62,43 @@ class TurnClock:
         return max(MIN_CUT, int(room / self.prefill_ms_per_token))  # never starve a prompt
 
 
-class ForwardOutcomes:
-    """Mixin of ``Scheduler``: measuring forwards, completing and failing their
-    jobs, and a pipeline stage's forwards in flight."""
+Finish = Callable[[Job, BaseException | None], None]
 
-    rt: RuntimeState
-    stats: SchedulerStats
-    clock: TurnClock
-    active: list[Job]
-    busy: set[SessionId]
-    flying: list[_Flying]
-    _flying_jobs: set[Job]
 
-    def _isolate(self, steps: list[Step], owners: list[tuple[Job, int]], exc: EngineFault) -> None:
+class Outcomes:
+    """Forwards after planning: measured, completed, isolated, or in flight."""
+
+    def __init__(self, rt: RuntimeState, stats: SchedulerStats, finish: Finish) -> None:
+        self.rt = rt
+        self.stats = stats
+        self.finish = finish  # the scheduler's: fail or end a job, free its sessions
+        self.clock = TurnClock()
+        self.flying: list[_Flying] = []  # a pipeline stage's forwards down the chain
+        self.flying_jobs: set[Job] = set()
+
+    def run(self, steps: list[Step], owners: list[tuple[Job, int]]) -> None:
+        """One forward here, measured, its results handed to their jobs."""
+        started = time.perf_counter()
+        try:
+            results = self.rt.forward(steps)
+        except EngineFault as exc:
+            self.isolate(steps, owners, exc)
+            return
+        except Fault as exc:
+            _log.error("forward_failed", error=str(exc), jobs=len(owners))
+            for job, _ in owners:
+                self.finish(job, exc)
+            return
+        except Exception as exc:  # a bug: fail its jobs (``internal``), never re-run them
+            _log.exception("forward_crashed", jobs=len(owners))
+            for job, _ in owners:
+                self.finish(job, exc)
+            return
+        finally:
+            self.record(steps, time.perf_counter() - started)
+        self.complete(owners, results)
+
+    def isolate(self, steps: list[Step], owners: list[tuple[Job, int]], exc: EngineFault) -> None:
         """A forward of several jobs failed in llama.cpp (say, an exhausted KV
         cache). The jobs whose sessions' KV moved fail (the runtime kept their
         positions true, but the job's own progress no longer matches); every
@@ -85,65 +110,65 @@ class ForwardOutcomes:
         if freed:
             _log.warning("prefix_cache_cleared_for_room", lanes=freed)
         if len(owners) == 1 and not freed:
-            self._finish(owners[0][0], exc)
+            self.finish(owners[0][0], exc)
             return
         offset = 0
         for job, count in owners:
             part = steps[offset : offset + count]
             offset += count
             if any(str(step.session.id) in exc.advanced for step in part):
-                self._finish(job, exc)
+                self.finish(job, exc)
                 continue
             started = time.perf_counter()
             try:
                 results = self.rt.forward(part)
             except Fault as alone:
-                self._finish(job, alone)
+                self.finish(job, alone)
                 continue
             finally:
-                self._record(part, time.perf_counter() - started)
-            self._complete([(job, count)], results)
+                self.record(part, time.perf_counter() - started)
+            self.complete([(job, count)], results)
 
-    def _record(self, steps: list[Step], seconds: float) -> None:
+    def record(self, steps: list[Step], seconds: float) -> None:
         self.stats.record_forward(steps, seconds)
         decode_rows = sum(1 for s in steps if len(s.tokens) == 1 or s.all_rows)
         prefill = sum(len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows)
         self.clock.record(decode_rows, prefill, seconds * 1000)
 
-    def _complete(self, owners: list[tuple[Job, int]], results: list[StepResult]) -> None:
+    def complete(self, owners: list[tuple[Job, int]], results: list[StepResult]) -> None:
         offset = 0
         for job, count in owners:
             part = results[offset : offset + count]
             offset += count
             failed = next((r.error for r in part if r.error is not None), None)
             if failed is not None:
-                self._finish(job, failed)
+                self.finish(job, failed)
                 continue
             try:
                 finished = job.advance(self.rt, part)
             except Fault as exc:
-                self._finish(job, exc)
+                self.finish(job, exc)
                 continue
             except Exception as exc:  # a bug in one job must not kill the others
                 _log.exception("job_crashed", op=job.ticket.op)
-                self._finish(job, exc)
+                self.finish(job, exc)
                 continue
             if finished:
-                self._finish(job, None)
+                self.finish(job, None)
 
     # -- a pipeline stage: forwards in flight down the chain ----------------------
 
-    def _rejoin(self) -> bool:
+    def rejoin(self, active: list[Job]) -> bool:
         """True when only decode rows are ready while a forward is in flight:
         they wait to go with the streams in flight instead of forming a second,
         smaller batch (streams out of phase would halve every batch after).
         What overlaps a forward in flight is new work: prompts, batches."""
         if not self.flying:
             return False
-        ready = [j for j in self.active if j not in self._flying_jobs]
+        ready = [j for j in active if j not in self.flying_jobs]
         return bool(ready) and all(j.phase == PHASE_DECODE for j in ready)
 
-    def _launch(self, steps: list[Step], owners: list[tuple[Job, int]]) -> None:
+    def launch(self, steps: list[Step], owners: list[tuple[Job, int]]) -> None:
         """Send the turn's forward down the chain and go on: its jobs sit out
         planning (and reaping) until it lands, other jobs keep running."""
         try:
@@ -151,28 +176,20 @@ class ForwardOutcomes:
         except Fault as exc:
             _log.error("forward_failed", error=str(exc), jobs=len(owners))
             for job, _ in owners:
-                self._finish(job, exc)
+                self.finish(job, exc)
             return
         self.flying.append(_Flying(flight, owners, time.perf_counter()))
-        self._flying_jobs.update(job for job, _ in owners)
+        self.flying_jobs.update(job for job, _ in owners)
 
-    def _land(self, timeout_ms: int) -> None:
+    def land(self, timeout_ms: int) -> None:
         for flight in self.rt.land(timeout_ms):
             flying = next(f for f in self.flying if f.flight is flight)
             self.flying.remove(flying)
-            self._flying_jobs.difference_update(job for job, _ in flying.owners)
-            self._record(flight.steps, time.perf_counter() - flying.started)
+            self.flying_jobs.difference_update(job for job, _ in flying.owners)
+            self.record(flight.steps, time.perf_counter() - flying.started)
             if flight.fault is not None:
                 _log.error("forward_failed", error=str(flight.fault), jobs=len(flying.owners))
                 for job, _ in flying.owners:
-                    self._finish(job, flight.fault)
+                    self.finish(job, flight.fault)
                 continue
-            self._complete(flying.owners, flight.results)
-
-    def _finish(self, job: Job, exc: BaseException | None) -> None:
-        if exc is not None:
-            job.fail(self.rt, exc)
-        if job in self.active:
-            self.active.remove(job)
-            self.busy.difference_update(job.sessions)
-        job.release(self.rt)
+            self.complete(flying.owners, flight.results)

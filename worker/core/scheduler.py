@@ -42,16 +42,13 @@ from dataclasses import dataclass
 
 from structlog import get_logger
 
-from faults import Cancelled, DeadlineExceeded, EngineFault, Fault, LanesBusy, QueueFull
+from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
 
 from ..runtime import RuntimeState, SessionId, Step
 from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job
-from .outcomes import ForwardOutcomes, TurnClock, _Flying
+from .outcomes import Outcomes
 from .peers import PeerLimits
 from .stats import SchedulerStats
-
-# TurnClock moved to outcomes.py; it stays importable from here.
-__all__ = ["Scheduler", "SchedulerConfig", "TurnClock"]
 
 _log = get_logger("skiff.scheduler")
 _LAND_WAIT_MS = (
@@ -70,7 +67,7 @@ class SchedulerConfig:
     max_streams_per_peer: int = 0  # generations one peer has queued or running; 0 = off
 
 
-class Scheduler(ForwardOutcomes):
+class Scheduler:
     def __init__(self, rt: RuntimeState, cfg: SchedulerConfig) -> None:
         self.rt = rt
         self.cfg = cfg
@@ -80,9 +77,7 @@ class Scheduler(ForwardOutcomes):
         self.stats = SchedulerStats()
         self._turn = 0
         self._boost: Job | None = None  # atomic job that missed the last turn
-        self.clock = TurnClock()
-        self.flying: list[_Flying] = []  # a pipeline stage's forwards down the chain
-        self._flying_jobs: set[Job] = set()
+        self.outcomes = Outcomes(rt, self.stats, self._finish)
         self.peers = PeerLimits(cfg.max_sessions_per_peer, cfg.max_streams_per_peer)
         self._exclusive_last = False  # the last turn was one job's alone
 
@@ -150,41 +145,25 @@ class Scheduler(ForwardOutcomes):
     def turn(self) -> None:
         """Advance the world by at most one forward (or one launch down the chain)."""
         self._turn += 1
-        if self.flying:
-            self._land(0)
+        if self.outcomes.flying:
+            self.outcomes.land(0)
         now = time.monotonic()
         self._reap(now)
         self._start_pending(now)
-        if len(self.flying) >= max(1, self.cfg.chain_credit) or self._rejoin():
-            self._land(_LAND_WAIT_MS)  # out of credit, or decodes waiting to rejoin
+        if len(self.outcomes.flying) >= max(1, self.cfg.chain_credit) or self.outcomes.rejoin(
+            self.active
+        ):
+            self.outcomes.land(_LAND_WAIT_MS)  # out of credit, or decodes waiting to rejoin
             return
         steps, owners = self._plan()
         if not steps:
-            if self.flying:
-                self._land(_LAND_WAIT_MS)
+            if self.outcomes.flying:
+                self.outcomes.land(_LAND_WAIT_MS)
             return
         if self.rt.chained:
-            self._launch(steps, owners)
+            self.outcomes.launch(steps, owners)
             return
-        started = time.perf_counter()
-        try:
-            results = self.rt.forward(steps)
-        except EngineFault as exc:
-            self._isolate(steps, owners, exc)
-            return
-        except Fault as exc:
-            _log.error("forward_failed", error=str(exc), jobs=len(owners))
-            for job, _ in owners:
-                self._finish(job, exc)
-            return
-        except Exception as exc:  # a bug: fail its jobs (``internal``), never re-run them
-            _log.exception("forward_crashed", jobs=len(owners))  # (they re-ran every turn)
-            for job, _ in owners:
-                self._finish(job, exc)
-            return
-        finally:
-            self._record(steps, time.perf_counter() - started)
-        self._complete(owners, results)
+        self.outcomes.run(steps, owners)
 
     def _reap(self, now: float) -> None:
         """Apply cancels, dead peers and deadlines to queued and running jobs."""
@@ -196,7 +175,7 @@ class Scheduler(ForwardOutcomes):
                 job.fail(self.rt, reason)
                 job.release(self.rt)
         for job in list(self.active):
-            if job in self._flying_jobs:
+            if job in self.outcomes.flying_jobs:
                 continue  # reaped once its forward lands
             reason = self._stop_reason(job, now, queued=False)
             if reason is None:
@@ -278,7 +257,7 @@ class Scheduler(ForwardOutcomes):
         # its compute graph when consecutive batches have the same layout, and
         # a reshuffled batch measured ~35% slower per token. Prefill chunks
         # rotate instead, so no prompt is always last in line for the budget.
-        ready = [j for j in self.active if j not in self._flying_jobs]
+        ready = [j for j in self.active if j not in self.outcomes.flying_jobs]
         exclusive = self._exclusive_turn(ready)
         if exclusive is not None:
             return exclusive
@@ -291,7 +270,7 @@ class Scheduler(ForwardOutcomes):
             stable.remove(boosted)
             stable.insert(0, boosted)
         streaming = any(j.phase == PHASE_DECODE for j in self.active)
-        allowance = self.clock.prefill_allowance(self.cfg.cadence) if streaming else None
+        allowance = self.outcomes.clock.prefill_allowance(self.cfg.cadence) if streaming else None
         for phase in (PHASE_DECODE, PHASE_ATOMIC, None):
             if phase is None and allowance is not None:
                 budget = min(budget, allowance)  # the time left for prefill this turn
@@ -347,3 +326,12 @@ class Scheduler(ForwardOutcomes):
             return []
         k = self._turn % len(jobs)
         return jobs[k:] + jobs[:k]
+
+    def _finish(self, job: Job, exc: BaseException | None) -> None:
+        """End a job (failing it with ``exc``), freeing its sessions for others."""
+        if exc is not None:
+            job.fail(self.rt, exc)
+        if job in self.active:
+            self.active.remove(job)
+            self.busy.difference_update(job.sessions)
+        job.release(self.rt)
