@@ -156,7 +156,7 @@ def test_accepting_the_prompt_feeds_the_penalty_history(rt: RuntimeState) -> Non
     assert greedy_first in prompt
     s = spec(temperature=0, repeat_penalty=3.0)
     assert s is not None
-    sampler = rt.sampler_for(session, s)
+    sampler = rt.rows.sampler_for(session, s)
     sampler.accept(prompt)
     # re-run the last prompt token to get a fresh row for this session
     rt.trim("p", len(prompt) - 1)

@@ -1,12 +1,12 @@
 """What a forward's output rows become: sampled tokens, logprobs, tensors.
 
-``RowOutputs`` is the part of ``RuntimeState`` that reads llama.cpp's output
-rows after a decode: ``sample_row`` (greedy or the session's sampler chain,
-confidence signals, logprobs), ``sampler_for`` (one chain per session, rebuilt
-when its parameters change), and a step's result: its sampled token, its
-rows walked by a ``RowRule``, or the logits / hidden states it asked for.
-Kept apart from ``state.py`` (lanes, positions, the decode itself) because it
-only reads the engine's rows and the session's sampler: it moves no position.
+``RowReader`` (held by ``RuntimeState`` as ``rows``) reads llama.cpp's
+output rows after a decode: ``sample_row`` (greedy or the session's sampler
+chain, confidence signals, logprobs), ``sampler_for`` (one chain per
+session, rebuilt when its parameters change), and a step's result
+(``fill``): its sampled token, its rows walked by a ``RowRule``, or the
+logits / hidden states it asked for. It only reads the engine's rows and
+the session's sampler: it moves no position.
 """
 
 from __future__ import annotations
@@ -25,10 +25,17 @@ from .signals import logprobs_of, signal_of
 from .steps import Step, StepResult
 
 
-class RowOutputs:
-    """Mixin of ``RuntimeState``: sampling and capturing a forward's rows."""
+class RowReader:
+    """Sampling and capturing a forward's rows."""
 
-    engine: Engine
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def fill(self, index: int, step: Step, result: StepResult) -> None:
+        """Step ``index`` of the last forward: its token or rows, then its tensors."""
+        self._sample_step(index, step, result)
+        if step.outputs:
+            self._capture(index, step, result)
 
     def sample_row(
         self, session: Session, spec: SamplerSpec | None, row: int, top_logprobs: int | None = None

@@ -12,8 +12,8 @@ sessions that advanced (their token history is cut to match), then raise
 ``EngineFault`` saying which ones moved.
 
 Sampling and capturing a forward's output rows (``sample_row``,
-``sampler_for``, a step's token / rows / tensors) are the ``RowOutputs``
-mixin in ``outputs.py``; the prefix-cache policy and counters are in
+``sampler_for``, a step's token / rows / tensors) is ``self.rows``, a
+``RowReader`` (``outputs.py``); the prefix-cache policy and counters are in
 ``prefix.py``.
 """
 
@@ -28,7 +28,7 @@ from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch
 from ..engine import Engine, OutputMode, Segment
 from .chain import Flight, launch_chain
 from .lanes import Ephemeral, LanePool, Session, SessionId
-from .outputs import RowOutputs
+from .outputs import RowReader
 from .prefix import MIN_PREFIX_REUSE, PrefixStats
 from .signals import window_summary
 from .steps import Step, StepResult
@@ -37,7 +37,7 @@ from .tail import Tail
 __all__ = ["RuntimeState"]
 
 
-class RuntimeState(RowOutputs):
+class RuntimeState:
     def __init__(
         self,
         engine: Engine,
@@ -49,6 +49,7 @@ class RuntimeState(RowOutputs):
         if (tail is None) != (tap_layer is None):
             raise ValueError("a stage with a next stage needs a layer tap, and only it")
         self.engine = engine
+        self.rows = RowReader(engine)
         # Layers of the whole model (a pipeline stage's engine holds a slice):
         # outputs are after all of them, whichever stage computed them.
         self.n_layer = n_layer or engine.n_layer
@@ -328,9 +329,7 @@ class RuntimeState(RowOutputs):
         for index, step in enumerate(steps):
             result = StepResult()
             try:
-                self._sample_step(index, step, result)
-                if step.outputs:
-                    self._capture(index, step, result)
+                self.rows.fill(index, step, result)
             except BadRequest as exc:
                 result.error = exc
             results.append(result)
@@ -387,7 +386,7 @@ class RuntimeState(RowOutputs):
 
 def _output_rows(step: Step) -> OutputMode:
     """The rows llama.cpp outputs for a step. Outputs asked without sampling
-    (a stage's ``forward_frame``) still need the last row: ``_capture`` reads
+    (a stage's ``forward_frame``) still need the last row: ``RowReader`` reads
     it, and without it every turn crashed and re-ran the step to the lane's end."""
     if step.all_rows or step.capture_all:
         return "all"
