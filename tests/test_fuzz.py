@@ -70,7 +70,7 @@ def test_known_crashers_are_refused_before_llama_cpp_sees_them() -> None:
     code = """
 import json, resource
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-from worker.engine.sampling import LlamaGrammars
+from worker.engine.grammar import LlamaGrammars
 g = LlamaGrammars()
 deep = "root ::= " + "(" * 20000 + '"a"' + ")" * 20000  # 40 KB: segfaulted the parser
 assert "nest deeper" in (g.grammar_error(deep) or ""), g.grammar_error(deep)

@@ -22,7 +22,9 @@ from media_images import png as _png
 from media_images import rgb as _rgb
 
 from worker.engine import Engine, EngineConfig, EngineError, Segment
-from worker.engine.media import Chunks, MediaError, MediaOverflow, Projector, ProjectorError
+from worker.engine.media import Projector
+from worker.engine.media_native import Chunks, ProjectorError
+from worker.engine.media_sniff import MediaError, MediaOverflow
 
 LANES = 3
 

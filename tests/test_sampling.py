@@ -17,7 +17,8 @@ from faults import BadRequest
 from protocol import Client, SkiffError
 from worker.api.sampling import get_sampling
 from worker.engine import Engine, EngineConfig
-from worker.engine.sampling import LlamaGrammars, Sampler, SamplerError, check_grammar, eog_tokens
+from worker.engine.grammar import LlamaGrammars, SamplerError, check_grammar
+from worker.engine.sampling import Sampler, eog_tokens
 from worker.runtime import RuntimeState, Step
 from worker.spec import SamplerSpec
 

@@ -4,9 +4,8 @@
 provides it), ``Handler`` the type of one op's handler, and ``_sampling`` /
 ``_tokens`` read the ``sampling`` map and a session-bound token list with
 the worker's limits. Kept apart from ``handlers.py`` so the handler modules
-(``handlers``, ``generate_handlers``, and through ``handlers``'s re-exports
-``tensor_handlers`` and ``media_handlers``) share them without importing
-each other in a circle.
+(``handlers``, ``generate``, ``tensors``, ``media``) share them without
+importing each other in a circle.
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ from protocol.envelope import Op
 
 from ..core.jobs.media import MediaGenerateJob, MediaPrefillJob
 from ..core.media_feed import MediaPrompt
-from ..engine.media import Bitmap, MediaError, Projector, image_size
+from ..engine.media import Projector
+from ..engine.media_native import Bitmap
+from ..engine.media_sniff import MediaError, image_size
 from .app import App, Handler
 from .generate import generate_job, h_chat, h_generate, prompt_chars
 from .sampling import get_sampling

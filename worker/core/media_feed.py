@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 from faults import BadRequest, Internal
 
-from ..engine.media import Bitmap, Chunks, MediaError, Projector, ProjectorError
+from ..engine.media import Projector
+from ..engine.media_native import Bitmap, Chunks, ProjectorError
+from ..engine.media_sniff import MediaError
 from ..runtime import Session, Step, StepResult
 from ..spec import SamplerSpec
 

@@ -29,8 +29,8 @@ The scheduler knows nothing about sockets: jobs answer through their
 ``Ticket`` into the outbox, which the edge empties after the turn.
 
 What happens after a forward (the turn clock, completing and failing jobs,
-isolating a failed forward, a pipeline stage's flights) is the
-``ForwardOutcomes`` mixin in ``outcomes.py``.
+isolating a failed forward, a pipeline stage's flights) is ``self.outcomes``,
+an ``Outcomes`` (``outcomes.py``) that borrows the scheduler's ``_finish``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 from . import kernels
 from .batch import OutputMode, Segment
+from .grammar import LlamaGrammars, SamplerError
 from .model import DecodeStatus, Engine, EngineConfig, EngineError
-from .sampling import LlamaGrammars, Sampler, SamplerError, greedy_token
+from .sampling import Sampler, greedy_token
 
 __all__ = [
     "DecodeStatus",

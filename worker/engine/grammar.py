@@ -8,8 +8,7 @@ with its error message captured, and offers ``LlamaGrammars`` (the
 ``GrammarChecker`` the validators use before any chain is built). Kept apart
 from ``sampling.py`` (the sampler chain itself) because validation needs only
 these checks, and they are about text, not about sampling state.
-``SamplerError`` lives here because the checks raise it; ``sampling.py``
-re-exports all of it.
+``SamplerError`` lives here because the checks raise it.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ context keeps a pointer to the text model.
 
 The header sniffing (``image_size``, MIME maps, pixel budget, ``MediaError``)
 is in ``media_sniff.py`` and the owned native wrappers (``Bitmap``,
-``Chunks``, ``ProjectorError``) in ``media_native.py``; both are re-exported
-here, so callers keep importing from ``engine.media``.
+``Chunks``, ``ProjectorError``) in ``media_native.py``; callers import each
+name from the module that defines it.
 
 The library logs through a global callback; we keep the last few error lines
 so a failed load can say why (for example a projector width that does not
@@ -48,37 +48,16 @@ import llama_cpp as ll
 import numpy as np
 from llama_cpp import mtmd_cpp as mt
 
-from .media_native import Bitmap, Chunk, ChunkKind, Chunks, ProjectorError, _u8_pointer
+from .media_native import Bitmap, Chunks, ProjectorError, _u8_pointer
 from .media_sniff import (
     DEFAULT_MAX_PIXELS,
     IMAGE_MIMES,
-    JPEG_MAGIC,
-    PNG_MAGIC,
     RAW_MIMES,
     MediaError,
     MediaOverflow,
     image_size,
 )
 from .model import Engine
-
-# Names moved to media_sniff.py / media_native.py stay importable from here.
-__all__ = [
-    "DEFAULT_MAX_PIXELS",
-    "IMAGE_MIMES",
-    "JPEG_MAGIC",
-    "PNG_MAGIC",
-    "RAW_MIMES",
-    "Bitmap",
-    "Chunk",
-    "ChunkKind",
-    "Chunks",
-    "MediaError",
-    "MediaOverflow",
-    "MediaPrefill",
-    "Projector",
-    "ProjectorError",
-    "image_size",
-]
 
 _GGML_LOG_LEVEL_WARN = 3
 _log_tail: deque[str] = deque(maxlen=8)

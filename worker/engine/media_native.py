@@ -4,8 +4,7 @@
 prompt, with its ``Chunk`` parts) each own one ``mtmd`` allocation and free
 it in ``close()``; ``ProjectorError`` is what a native failure raises. Kept
 apart from ``media.py`` (the ``Projector``: load, decode, tokenize, eval) so
-the ownership wrappers, which hold no model or context, read on their own;
-``media.py`` re-exports them.
+the ownership wrappers, which hold no model or context, read on their own.
 """
 
 from __future__ import annotations

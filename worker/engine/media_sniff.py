@@ -7,7 +7,7 @@ an item's size before it reaches the engine. Pure Python (no llama.cpp):
 kept apart from ``media.py`` so the byte-level parsing can be read, and
 tested, without the native multimodal library. ``MediaError`` and
 ``MediaOverflow`` (the caller-facing ``bad_request`` errors) live here
-because the sniffing raises them; ``media.py`` re-exports all of it.
+because the sniffing raises them.
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ grammar, mirostat). Prompt tokens are not, unless the caller feeds them with
 ``Sampler.accept`` (penalties and dry only).
 
 The grammar checks (JSON schema -> GBNF, nesting and parse checks,
-``LlamaGrammars``) and ``SamplerError`` are in ``grammar.py``, re-exported
-here.
+``LlamaGrammars``) and ``SamplerError`` are in ``grammar.py``.
 """
 
 from __future__ import annotations
@@ -45,30 +44,11 @@ import numpy as np
 
 from ..spec import SamplerSpec
 from .grammar import (
-    MAX_GRAMMAR_NESTING,
-    MAX_SCHEMA_EXPANSION,
-    LlamaGrammars,
     SamplerError,
     _init_grammar,
-    check_grammar,
-    grammar_nesting,
     schema_to_grammar,
 )
 from .model import Engine
-
-# Names moved to grammar.py stay importable from here.
-__all__ = [
-    "MAX_GRAMMAR_NESTING",
-    "MAX_SCHEMA_EXPANSION",
-    "LlamaGrammars",
-    "Sampler",
-    "SamplerError",
-    "check_grammar",
-    "eog_tokens",
-    "grammar_nesting",
-    "greedy_token",
-    "schema_to_grammar",
-]
 
 
 def greedy_token(engine: Engine, batch_row: int) -> int:
