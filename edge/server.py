@@ -46,7 +46,7 @@ from faults import (
     UnsupportedVersion,
     code_of,
 )
-from protocol import codec, sockets
+from protocol import codec, sockets, transport
 from protocol.envelope import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
 
 from . import logs, zap
@@ -357,20 +357,8 @@ class EdgeServer:
         except Exception as exc:
             _log.error("reply_unencodable", error=f"{type(exc).__name__}: {exc}")
             payload = codec.encode(failure_header(msg.header.get("id"), exc))
-        try:
-            sock.send(msg.peer, zmq.SNDMORE | zmq.NOBLOCK)
-            if not msg.buffers:
-                sock.send(payload, zmq.NOBLOCK)
-                return None
-            sock.send(payload, zmq.SNDMORE | zmq.NOBLOCK)
-            for buf in msg.buffers[:-1]:
-                sock.send(buf, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
-            sock.send(msg.buffers[-1], zmq.NOBLOCK, copy=False)
-            return None
-        except zmq.Again:
-            return "peer_not_receiving"
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                return "peer_gone"
-            _log.error("send_failed", error=str(exc))
-            return "send_failed"
+        reason = transport.send(sock, payload, msg.buffers, route=msg.peer)
+        if transport.failed(reason):
+            _log.error("send_failed", error=reason)
+            return transport.FAILED
+        return reason

@@ -50,7 +50,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from edge import logs
-from protocol import codec, sockets
+from protocol import codec, sockets, transport
 from protocol.envelope import error_reply, request
 
 from .router import Candidate
@@ -62,7 +62,6 @@ SPEECH = "speech"
 
 # Plain ints: combining zmq's enum flags per message costs a microsecond or two.
 NOBLOCK = int(zmq.NOBLOCK)
-MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 EVENTS = int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
 
@@ -209,22 +208,13 @@ class Pool:
         """Send ``[header, *buffers]`` without blocking or copying buffers; the
         bytes sent, or 0 when the worker has no live connection or its queue
         is full."""
-        try:
-            payload = codec.encode(header)
-            sock = worker.sock
-            if buffers:
-                sock.send(payload, MORE)
-                for buf in buffers[:-1]:
-                    sock.send(buf, MORE, copy=False)
-                sock.send(buffers[-1], NOBLOCK, copy=False)
-                return len(payload) + sum(len(b) for b in buffers)
-            sock.send(payload, NOBLOCK)
-            return len(payload)
-        except zmq.Again:
-            return 0
-        except zmq.ZMQError as exc:
-            _log.warning("send_failed", worker=worker.name, error=str(exc))
-            return 0
+        payload = codec.encode(header)
+        reason = transport.send(worker.sock, payload, buffers)
+        if reason is None:
+            return len(payload) + sum(len(b) for b in buffers)
+        if reason != transport.NOT_RECEIVING:
+            _log.warning("send_failed", worker=worker.name, error=reason)
+        return 0
 
     def call(
         self,

@@ -20,8 +20,7 @@ import msgpack
 import zmq
 
 from edge import EdgeServer, logs
-
-from .pool import MORE, NOBLOCK
+from protocol import transport
 
 _log = logs.get_logger("skiff.gateway.relay")
 
@@ -41,29 +40,17 @@ class Relay:
         take it is remembered for ``flush`` and skipped from then on."""
         if peer in self.lost:
             return
-        sock = self.sock
         try:
             payload = self._pack(header)
-            sock.send(peer, MORE)
-            if buffers:
-                sock.send(payload, MORE)
-                for buf in buffers[:-1]:
-                    sock.send(buf, MORE, copy=False)
-                sock.send(buffers[-1], NOBLOCK, copy=False)
-            else:
-                sock.send(payload, NOBLOCK)
-        except zmq.Again:
-            self.lost[peer] = "peer_not_receiving"
-            return
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                self.lost[peer] = "peer_gone"
-            else:
-                _log.error("send_failed", error=str(exc))
-                self.lost[peer] = "send_failed"
-            return
         except Exception as exc:  # an unpackable header: a worker bug, not a reason to stop
             _log.error("reply_unencodable", error=f"{type(exc).__name__}: {exc}")
+            return
+        reason = transport.send(self.sock, payload, buffers, route=peer)
+        if reason is not None:
+            if transport.failed(reason):
+                _log.error("send_failed", error=reason)
+                reason = transport.FAILED
+            self.lost[peer] = reason
             return
         self.sent += 1
         if self.metrics is not None:

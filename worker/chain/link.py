@@ -30,7 +30,7 @@ from structlog import get_logger
 from zmq.utils.monitor import recv_monitor_message
 
 from faults import BadRequest, Fault, SessionNotActive, StageUnavailable, from_code
-from protocol import codec, frames, sockets
+from protocol import codec, frames, sockets, transport
 from protocol.envelope import request
 
 from ..runtime import Origin
@@ -223,10 +223,9 @@ class StageLink:
             raise StageUnavailable(f"the next stage ({self.endpoint}) is not connected")
         req_id = next(self._ids) if req_id is None else req_id
         header = request(req_id, op, session, args)
-        try:
-            self._sock.send_multipart([codec.encode(header), *buffers], zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            raise StageUnavailable(f"the next stage ({self.endpoint}) is not connected") from None
+        reason = transport.send(self._sock, codec.encode(header), buffers)
+        if reason is not None:
+            raise StageUnavailable(f"the next stage ({self.endpoint}) cannot take it: {reason}")
         self._pending[req_id] = _Pending(op, steps, time.monotonic() + timeout_ms / 1000)
         return req_id
 
