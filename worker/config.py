@@ -1,7 +1,8 @@
 """Worker configuration: command-line flags, each with a ``SKIFF_*`` twin.
 
-Precedence: flag > environment variable > default. ``skiff-worker --help``
-shows every option with the variable that also sets it.
+Precedence: flag > environment variable > default (``edge/flags.py``, the
+same for every process). ``skiff-worker --help`` shows every option with the
+variable that also sets it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edge import flags
 from edge.logs import LOG_FORMATS
 from edge.zap import keys_from_flags
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, Curve
@@ -189,37 +191,35 @@ _OPTIONS: list[tuple[str, type, str]] = [
 ]
 
 
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "log-format": LOG_FORMATS,
+    "kernels": ("exact", "upstream"),
+    "frame-dtype": ("f32", "f16"),
+}
+FLAGS = flags.Flags(
+    [
+        flags.Flag(
+            option,
+            kind,
+            text,
+            default=getattr(WorkerConfig(), option.replace("-", "_")),
+            choices=_CHOICES.get(option),
+        )
+        for option, kind, text in _OPTIONS
+    ]
+)
+
+
 def env_name(option: str) -> str:
-    return "SKIFF_" + option.upper().replace("-", "_")
+    return flags.env_name(FLAGS.prefix, option)
 
 
 def build_parser(prog: str = "skiff-worker") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="skiff LLM worker: one llama.cpp model served over a ZeroMQ ROUTER socket.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    defaults = WorkerConfig()
-    for option, kind, text in _OPTIONS:
-        attr = option.replace("-", "_")
-        default = getattr(defaults, attr)
-        env = os.environ.get(env_name(option))
-        if env is not None:
-            default = kind(env)
-        extra: dict[str, object] = {}
-        if option == "log-format":
-            extra["choices"] = LOG_FORMATS
-        if option == "kernels":
-            extra["choices"] = ("exact", "upstream")
-        if option == "frame-dtype":
-            extra["choices"] = ("f32", "f16")
-        parser.add_argument(
-            f"--{option}",
-            type=kind,
-            default=default,
-            help=f"{text} [env {env_name(option)}]",
-            **extra,  # type: ignore[arg-type]
-        )
+    FLAGS.add_to(parser)
     return parser
 
 
