@@ -67,12 +67,10 @@ class StageLink:
         self.frame_dtype = np.float16 if frame_dtype == "f16" else np.float32
         self.timeout_ms = timeout_ms
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        # frames from the next stage are capped as a worker caps its peers'
+        opts = sockets.SocketOptions(curve=curve)
+        self._sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, opts, connect=False)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, sockets.DEFAULT_MAX_MESSAGE_BYTES)
-        if curve is not None:
-            sockets.curve_client(self._sock, curve)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -300,19 +298,17 @@ class StageLink:
         if not isinstance(endpoint, str) or not endpoint:
             self._direct_known = False
             raise StageUnavailable("the chain's last stage endpoint is unknown")
-        sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, b"skiff-head-" + os.urandom(8).hex().encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, sockets.DEFAULT_MAX_MESSAGE_BYTES)
+        curve = None
         if self.curve is not None:
             last = chain[-1] if isinstance(chain[-1], dict) else {}
             key = last.get("curve_key")
             if not isinstance(key, str):
-                sock.close(linger=0)
                 self._direct_known = False
                 raise StageUnavailable("the chain's last stage reports no CURVE key")
-            sockets.curve_client(sock, self.curve.toward(key.encode()))
-        sock.connect(endpoint)
+            curve = self.curve.toward(key.encode())
+        routing_id = b"skiff-head-" + os.urandom(8).hex().encode()
+        opts = sockets.SocketOptions(curve=curve, routing_id=routing_id)
+        sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, opts)
         sock.send(codec.encode(request(0, "ping", None, None)))
         if not sock.poll(_SESSION_OP_MS):
             sock.close(linger=0)
