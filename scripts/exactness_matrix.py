@@ -245,7 +245,10 @@ def main() -> None:
             worst = _claims(lengths, RULES[args.child], args.model)
         except EngineError as exc:
             print(exc, file=sys.stderr)
-            sys.exit(3 if "cannot run" in str(exc) else 1)
+            # With one CPU variant left, ggml registers no CPU backend when this
+            # host lacks its instructions, and the (sound) model cannot load.
+            unsupported = "cannot run" in str(exc) or "cannot load model" in str(exc)
+            sys.exit(3 if unsupported else 1)
         from worker.engine.model import _backend
 
         out = {"claims": worst, "cpu": _backend["cpu"], "seconds": time.monotonic() - t0}

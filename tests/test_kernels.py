@@ -1,0 +1,56 @@
+"""``engine/kernels.py``: each CPU variant is placed at its level and given
+the rule the exactness matrix measured for it (docs/exactness.md)."""
+
+from __future__ import annotations
+
+from worker.engine import kernels
+
+BASE = ["LLAMAFILE", "OPENMP", "REPACK"]
+SSE = [*BASE, "SSE3", "SSSE3"]
+AVX2 = [*SSE, "AVX", "AVX2", "BMI2", "F16C", "FMA"]
+
+# the features each portable variant reported (scripts/exactness_matrix.py --json)
+FEATURES = {
+    "x64": BASE,
+    "sse42": SSE,
+    "sandybridge": [*SSE, "AVX"],
+    "ivybridge": [*SSE, "AVX", "F16C"],
+    "piledriver": [*SSE, "AVX", "F16C", "FMA"],
+    "haswell": AVX2,
+    "alderlake": [*AVX2, "AVX_VNNI"],
+    "skylakex": [*AVX2, "AVX512"],
+    "cannonlake": [*AVX2, "AVX512", "AVX512_VBMI"],
+    "cascadelake": [*AVX2, "AVX512", "AVX512_VNNI"],
+    "icelake": [*AVX2, "AVX512", "AVX512_VBMI", "AVX512_VNNI"],
+    "cooperlake": [*AVX2, "AVX512", "AVX512_BF16", "AVX512_VNNI"],
+    "zen4": [*AVX2, "AVX512", "AVX512_BF16", "AVX512_VBMI", "AVX512_VNNI"],
+}
+
+
+def test_every_variant_is_placed_at_its_own_level() -> None:
+    assert {name: kernels.level_of(f) for name, f in FEATURES.items()} == {
+        name: name for name in FEATURES
+    }
+
+
+def test_avx_only_levels_and_unmeasured_ones_get_the_strict_rule() -> None:
+    for level in ("sandybridge", "ivybridge", "piledriver", "alderlake", "some-new-level"):
+        assert kernels.rule_for(level) == kernels.STRICT
+        assert not kernels.rule_for(level).llamafile
+    for level in ("x64", "sse42", "haswell", "skylakex", "icelake", "zen4"):
+        assert kernels.rule_for(level).llamafile
+    for level in FEATURES:
+        rule = kernels.rule_for(level)
+        assert rule.fa_one_row and not rule.tiled_mm and not rule.tiled_mm_force
+
+
+def test_info_reports_the_rule_in_force() -> None:
+    described = kernels.describe("portable", FEATURES["ivybridge"], invariant=True)
+    assert described["level"] == "ivybridge" and described["rule"]["llamafile"] is False
+    upstream = kernels.describe("tuned", FEATURES["zen4"], invariant=False)
+    assert upstream["rule"] == {
+        "fa_one_row": False,
+        "tiled_mm": True,
+        "tiled_mm_force": False,
+        "llamafile": True,
+    }
