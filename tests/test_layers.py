@@ -224,5 +224,6 @@ def test_every_op_has_one_handler() -> None:
         join({"a": OPS["ping"]}, {"a": OPS["info"]})
     from protocol.envelope import Op
 
-    assert OPS[Op.GENERATE].__module__ == "worker.api.media"
+    assert OPS[Op.GENERATE].__module__ == "worker.api.generate"
+    assert OPS[Op.CHAT].__module__ == "worker.api.generate"
     assert OPS[Op.PREFILL].__module__ == "worker.api.handlers"

@@ -2,10 +2,9 @@
 
 Reads what a generation asks (stops, ``max_tokens``, speculative decoding,
 logprobs, outputs), names its session (the request's, or a fresh ephemeral
-one) and builds the ``GenerateJob`` / ``ChatJob``. The op table's
-``generate`` and ``chat`` are ``media.py``'s, which call ``h_generate`` /
-``h_chat`` here for a request without media and build media generations on
-``generate_job``.
+one) and builds the ``GenerateJob`` / ``ChatJob``; a request with media
+gets its decoded items from ``media.py`` and becomes a ``MediaGenerateJob``
+on the same ``generate_job``.
 """
 
 from __future__ import annotations
@@ -17,16 +16,19 @@ from typing import Any
 
 from edge import Request
 from faults import BadRequest, ContextOverflow, Unsupported
+from protocol.envelope import Op
 
 from ..core.jobs.generate import ChatJob, GenerateJob
+from ..core.jobs.media import MediaGenerateJob
+from ..core.media_feed import MediaPrompt
 from ..core.speculative import Drafter, PromptLookup
 from ..limits import check
 from ..runtime import Ephemeral, SessionId
-from .app import App, _sampling, _tokens
+from .app import App, Handler, _sampling, _tokens
+from .media import chat_media, check_markers, generate_prompt, projector_of
 from .validate import (
     get_bool,
     get_int,
-    get_messages,
     get_outputs,
     get_stops,
     get_str,
@@ -149,8 +151,18 @@ def prompt_chars(app: App, args: dict[str, Any]) -> str:
 
 
 def h_generate(app: App, req: Request) -> dict[str, Any] | None:
+    """``generate``: a text prompt or tokens; with ``media``, a text prompt
+    holding one marker per item."""
     args = req.args
     has_prompt, has_tokens = "prompt" in args, "tokens" in args
+    if "media" in args:
+        projector_of(app)  # no projector: unsupported, whatever else is wrong
+        if not has_prompt or has_tokens:
+            raise BadRequest("generate with media takes a text prompt (with markers), not tokens")
+        text = prompt_chars(app, args)
+        media = generate_prompt(app, req, text)
+        _submit(app, media, lambda: generate_job(app, req, text, _media_job(media)))
+        return None
     if has_prompt == has_tokens:
         raise BadRequest("give exactly one of prompt or tokens")
     prompt: str | list[int] = prompt_chars(app, args) if has_prompt else _tokens(app, args)
@@ -159,18 +171,51 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
 
 
 def h_chat(app: App, req: Request) -> dict[str, Any] | None:
+    """``chat``: messages rendered by the chat template; media as ``image_url``
+    parts, or as ``media`` with markers in the text."""
     args = req.args
     if "prompt" in args or "tokens" in args:
         raise BadRequest("chat takes messages, not prompt or tokens")
-    cells, most = app.rt.ctx_per_lane, app.limits.max_request_tokens
-    messages = get_messages(args, max_chars=cells * 64, most=app.limits.max_messages)
+    messages, media = chat_media(app, req)
     template = app.chat
+    end = [template.end_of_turn] if template.end_of_turn else []
+    if media is not None:
+
+        def build() -> GenerateJob:
+            assert media is not None
+            media.text = template.render(messages)
+            check_markers(media.projector, media.text, len(media.bitmaps), "the rendered chat")
+            make = _media_job(media, chat=True, closer=template.closer_tokens, bos=template.bos)
+            return generate_job(app, req, media.text, make, template.stop_tokens, end)
+
+        _submit(app, media, build)
+        return None
+    cells, most = app.rt.ctx_per_lane, app.limits.max_request_tokens
     tokens = template.prompt_tokens(app.engine, messages)
     if not tokens:
         raise BadRequest("messages render to an empty prompt")
     if most < cells:  # more than the cells is context_overflow when the job starts
         check(len(tokens), most, "max_request_tokens", "messages render to {n} tokens")
-    end = [template.end_of_turn] if template.end_of_turn else []
     make = functools.partial(ChatJob, closer=template.closer_tokens, bos=template.bos)
     app.submit(generate_job(app, req, tokens, make, template.stop_tokens, end))
     return None
+
+
+def _media_job(media: MediaPrompt, **kw: Any) -> Callable[..., GenerateJob]:
+    return functools.partial(MediaGenerateJob, media=media, **kw)
+
+
+def _submit(app: App, media: MediaPrompt, build: Callable[[], GenerateJob]) -> None:
+    """Build and submit a media generation; its decoded media are freed if
+    that fails (a job that exists owns them)."""
+    try:
+        app.submit(build())
+    except BaseException:
+        media.close()
+        raise
+
+
+GENERATE_HANDLERS: dict[str, Handler] = {
+    Op.GENERATE: h_generate,
+    Op.CHAT: h_chat,
+}

@@ -13,15 +13,15 @@ becomes the marker at its place.
 
 Without a projector (``--mmproj``) media is ``unsupported``; ``generate`` and
 ``chat`` without media go to the plain handlers unchanged.
-``MEDIA_HANDLERS`` holds the op table's ``generate`` and ``chat`` (``ops.py``).
+``generate.py`` owns ``generate`` and ``chat`` and asks here for their media
+(``generate_prompt``, ``chat_media``) only when a request carries some;
+``MEDIA_HANDLERS`` holds ``prefill_media``.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,13 +29,12 @@ from edge import Request
 from faults import BadRequest, Unsupported
 from protocol.envelope import Op
 
-from ..core.jobs.media import MediaGenerateJob, MediaPrefillJob
+from ..core.jobs.media import MediaPrefillJob
 from ..core.media_feed import MediaPrompt
 from ..engine.media import Projector
 from ..engine.media_native import Bitmap
 from ..engine.media_sniff import MediaError, image_size
 from .app import App, Handler
-from .generate import generate_job, h_chat, h_generate, prompt_chars
 from .sampling import get_sampling
 from .validate import get_bool, get_int, get_messages, get_outputs, get_session, get_str
 
@@ -160,42 +159,38 @@ def h_prefill_media(app: App, req: Request) -> dict[str, Any] | None:
     return None
 
 
-def h_generate_media(app: App, req: Request) -> dict[str, Any] | None:
-    """``generate``; with ``media``, a text ``prompt`` holding one marker per item."""
-    args = req.args
-    if "media" not in args:
-        return h_generate(app, req)
+def generate_prompt(app: App, req: Request, text: str) -> MediaPrompt:
+    """``generate`` with ``media``: the items decoded and their markers checked
+    against the text prompt; the caller closes the prompt if it does not
+    hand it to a job."""
     projector = projector_of(app)
-    if "prompt" not in args or "tokens" in args:
-        raise BadRequest("generate with media takes a text prompt (with markers), not tokens")
-    text = prompt_chars(app, args)
-    prompt = MediaPrompt(projector, text, get_media(app, projector, args, req.buffers))
+    prompt = MediaPrompt(projector, text, get_media(app, projector, req.args, req.buffers))
     try:
         check_markers(projector, text, len(prompt.bitmaps))
-        make = functools.partial(MediaGenerateJob, media=prompt)
-        app.submit(generate_job(app, req, text, make))
     except BaseException:
         prompt.close()
         raise
-    return None
+    return prompt
 
 
-def h_chat_media(app: App, req: Request) -> dict[str, Any] | None:
-    """``chat``; media as ``image_url`` parts, or as ``media`` with markers in the text."""
+def chat_media(app: App, req: Request) -> tuple[list[dict[str, str]], MediaPrompt | None]:
+    """``chat``'s messages with string contents (OpenAI-style ``text`` parts
+    joined, each ``image_url`` part replaced by the projector's marker), and
+    the media prompt when the request carries media (``image_url`` parts, or
+    ``media`` with markers in the text); None for a text-only chat. The
+    prompt's text is left for the caller to render."""
     args = req.args
     raw = args.get("messages")
     parts = isinstance(raw, list) and any(
         isinstance(m, dict) and isinstance(m.get("content"), list) for m in raw
     )
-    if not parts and "media" not in args:
-        return h_chat(app, req)
-    if "prompt" in args or "tokens" in args:
-        raise BadRequest("chat takes messages, not prompt or tokens")
-    marker = app.projector.marker if app.projector is not None else ""
     cells = app.rt.ctx_per_lane
+    if not parts and "media" not in args:
+        return get_messages(args, max_chars=cells * 64, most=app.limits.max_messages), None
+    marker = app.projector.marker if app.projector is not None else ""
     messages, images = chat_messages(raw, marker, cells * 64, app.limits.max_messages)
     if not images and "media" not in args:  # content parts, text only
-        return h_chat(app, dataclasses.replace(req, args={**args, "messages": messages}))
+        return messages, None
     projector = projector_of(app)
     if images and "media" in args:
         raise BadRequest("give media with markers in the text, or image_url parts, not both")
@@ -210,24 +205,7 @@ def h_chat_media(app: App, req: Request) -> dict[str, Any] | None:
             raise
     else:
         bitmaps = get_media(app, projector, args, req.buffers)
-    template = app.chat
-    prompt = MediaPrompt(projector, "", bitmaps, add_special=False, parse_special=True)
-    try:
-        prompt.text = template.render(messages)
-        check_markers(projector, prompt.text, len(bitmaps), "the rendered chat")
-        end = [template.end_of_turn] if template.end_of_turn else []
-        make = functools.partial(
-            MediaGenerateJob,
-            media=prompt,
-            chat=True,
-            closer=template.closer_tokens,
-            bos=template.bos,
-        )
-        app.submit(generate_job(app, req, prompt.text, make, template.stop_tokens, end))
-    except BaseException:
-        prompt.close()
-        raise
-    return None
+    return messages, MediaPrompt(projector, "", bitmaps, add_special=False, parse_special=True)
 
 
 def chat_messages(
@@ -285,6 +263,4 @@ def data_url(url: str, where: str) -> tuple[str, bytes]:
 
 MEDIA_HANDLERS: dict[str, Handler] = {
     Op.PREFILL_MEDIA: h_prefill_media,
-    Op.GENERATE: h_generate_media,
-    Op.CHAT: h_chat_media,
 }
