@@ -222,6 +222,8 @@ class StageLink:
         req_id = next(self._ids) if req_id is None else req_id
         header = request(req_id, op, session, args)
         reason = transport.send(self._sock, codec.encode(header), buffers)
+        if reason == transport.NOT_RECEIVING:  # IMMEDIATE: no finished connection (or handshake)
+            raise StageUnavailable(f"the next stage ({self.endpoint}) is not connected")
         if reason is not None:
             raise StageUnavailable(f"the next stage ({self.endpoint}) cannot take it: {reason}")
         self._pending[req_id] = _Pending(op, steps, time.monotonic() + timeout_ms / 1000)
