@@ -1,10 +1,11 @@
 """The generation ops: ``generate`` and ``chat`` (text prompts and tokens).
 
-Reads what a generation asks (stops, ``max_tokens``, speculative decoding,
-logprobs, outputs), names its session (the request's, or a fresh ephemeral
-one) and builds the ``GenerateJob`` / ``ChatJob``; a request with media
-gets its decoded items from ``media.py`` and becomes a ``MediaGenerateJob``
-on the same ``generate_job``.
+``read_generation`` reads what a generation asks (stops, ``max_tokens``,
+speculative decoding, logprobs, outputs) into a typed ``Generation``
+(``requests.py``); ``generate_job`` builds the ``GenerateJob`` / ``ChatJob``
+from it, naming its session (the request's, or a fresh ephemeral one) and
+its drafter. A request with media gets its decoded items from ``media.py``
+and becomes a ``MediaGenerateJob`` on the same ``generate_job``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..limits import check
 from ..runtime import Ephemeral, SessionId
 from .app import App, Handler, _sampling, _tokens
 from .media import chat_media, check_markers, generate_prompt, projector_of
+from .requests import Generation, Speculation
 from .validate import (
     get_bool,
     get_int,
@@ -36,8 +38,8 @@ from .validate import (
 )
 
 
-def _speculative(app: App, args: dict[str, Any]) -> Drafter | None:
-    """The drafter a generation asked for, or None when speculation is off."""
+def _speculation(args: dict[str, Any]) -> Speculation | None:
+    """``speculative``, checked; None when speculation is off."""
     raw = args.get("speculative")
     if raw is None:
         return None
@@ -54,13 +56,26 @@ def _speculative(app: App, args: dict[str, Any]) -> Drafter | None:
         raise BadRequest(f"speculative.{unknown[0][:64]} is not a known field")
     max_draft = get_int(raw, "max_draft", default=8, lo=1, hi=64)
     if mode == "prompt_lookup":
-        return PromptLookup(get_int(raw, "ngram", default=3, lo=1, hi=16), max_draft)
+        return Speculation(
+            "prompt_lookup", max_draft, get_int(raw, "ngram", default=3, lo=1, hi=16)
+        )
+    path = raw.get("path")
+    if path is not None and not isinstance(path, str):
+        raise BadRequest("speculative.path must be a string")
+    return Speculation("draft_model", max_draft, path=path)
+
+
+def _drafter(app: App, speculation: Speculation | None) -> Drafter | None:
+    """The drafter for a generation's ``speculative``, on this worker."""
+    if speculation is None:
+        return None
+    if speculation.mode == "prompt_lookup":
+        return PromptLookup(speculation.ngram, speculation.max_draft)
     if app.draft is None:
         raise Unsupported("no draft model is configured on this worker (--draft-model)")
-    path = raw.get("path")
-    if path is not None and path != app.draft.path:
+    if speculation.path is not None and speculation.path != app.draft.path:
         raise Unsupported(f"this worker's draft model is {app.draft.path}, not another")
-    return app.draft.with_max(max_draft)
+    return app.draft.with_max(speculation.max_draft)
 
 
 def _logprobs(args: dict[str, Any]) -> int | None:
@@ -80,60 +95,67 @@ def next_ephemeral() -> Ephemeral:
     return Ephemeral(next(_ephemeral_ids))
 
 
-def _generate_session(req: Request) -> tuple[SessionId, bool]:
-    """(session id, named): the request's session, or a fresh ephemeral one.
-
-    An ephemeral id is not a string, so no peer can name it (see ``Ephemeral``).
-    """
-    if req.session is not None:
-        return req.session, True
-    return Ephemeral(next(_ephemeral_ids)), False
-
-
-def generate_job(
-    app: App,
-    req: Request,
-    prompt: str | list[int],
-    make: Callable[..., GenerateJob] = GenerateJob,
-    stop_tokens_extra: Sequence[int] = (),
-    stop_extra: Sequence[str] = (),
-) -> GenerateJob:
-    """The generation job ``generate`` and ``chat`` share, from the common args."""
+def read_generation(app: App, req: Request) -> Generation:
+    """What ``generate`` and ``chat`` share, read and checked from the header."""
     args = req.args
-    session, named = _generate_session(req)
     limits = app.limits
-    outputs = get_outputs(args)
-    drafter = _speculative(app, args)
-    if outputs and drafter is not None:
+    outputs = tuple(get_outputs(args))
+    speculation = _speculation(args)
+    if outputs and speculation is not None:
         raise Unsupported("output with speculative decoding is not supported; ask one or the other")
-    stop = get_stops(args, limits)
+    stop = tuple(get_stops(args, limits))
     max_tokens = get_int(args, "max_tokens", default=256, lo=1)
     check(max_tokens, limits.max_new_tokens, "max_new_tokens", f"max_tokens is {max_tokens}")
-    # A text prompt is tokenized when the job starts and held to the limit then;
-    # 0: only the lane's cells bound it (context_overflow).
-    most = limits.max_request_tokens
-    prompt_limit = most if most < app.rt.ctx_per_lane else 0
     stop_tokens = (
         get_tokens(args, "stop_tokens", app.n_vocab, max_len=256, allow_empty=True)
         if "stop_tokens" in args
         else []
     )
+    return Generation(
+        session=req.session,
+        max_tokens=max_tokens,
+        spec=_sampling(app, args),
+        stop=stop,
+        stop_tokens=frozenset(stop_tokens),
+        ignore_eos=get_bool(args, "ignore_eos", False),
+        stream=get_bool(args, "stream", True),
+        speculation=speculation,
+        top_logprobs=_logprobs(args),
+        outputs=outputs,
+    )
+
+
+def generate_job(
+    app: App,
+    req: Request,
+    gen: Generation,
+    prompt: str | list[int],
+    make: Callable[..., GenerateJob] = GenerateJob,
+    stop_tokens_extra: Sequence[int] = (),
+    stop_extra: Sequence[str] = (),
+) -> GenerateJob:
+    """The one function that builds a generation's job from its request."""
+    # An ephemeral id is not a string, so no peer can name it (see ``Ephemeral``).
+    session: SessionId = gen.session if gen.session is not None else next_ephemeral()
+    # A text prompt is tokenized when the job starts and held to the limit then;
+    # 0: only the lane's cells bound it (context_overflow).
+    most = app.limits.max_request_tokens
     return make(
         app.ticket(req),
         session,
-        ephemeral=not named,
+        ephemeral=gen.session is None,
         prompt=prompt,
-        max_tokens=max_tokens,
-        spec=_sampling(app, args),
-        stop=[*stop, *(s for s in stop_extra if s not in stop)],
-        stop_tokens={*stop_tokens, *stop_tokens_extra},
-        ignore_eos=get_bool(args, "ignore_eos", False),
-        stream=get_bool(args, "stream", True),
+        max_tokens=gen.max_tokens,
+        spec=gen.spec,
+        stop=[*gen.stop, *(s for s in stop_extra if s not in gen.stop)],
+        stop_tokens={*gen.stop_tokens, *stop_tokens_extra},
+        ignore_eos=gen.ignore_eos,
+        stream=gen.stream,
         chunk=app.chunk,
-        drafter=drafter,
-        top_logprobs=_logprobs(args),
-        outputs=outputs,
-        prompt_limit=prompt_limit,
+        drafter=_drafter(app, gen.speculation),
+        top_logprobs=gen.top_logprobs,
+        outputs=gen.outputs,
+        prompt_limit=most if most < app.rt.ctx_per_lane else 0,
     )
 
 
@@ -160,13 +182,14 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
         if not has_prompt or has_tokens:
             raise BadRequest("generate with media takes a text prompt (with markers), not tokens")
         text = prompt_chars(app, args)
+        gen = read_generation(app, req)
         media = generate_prompt(app, req, text)
-        _submit(app, media, lambda: generate_job(app, req, text, _media_job(media)))
+        _submit(app, media, lambda: generate_job(app, req, gen, text, _media_job(media)))
         return None
     if has_prompt == has_tokens:
         raise BadRequest("give exactly one of prompt or tokens")
     prompt: str | list[int] = prompt_chars(app, args) if has_prompt else _tokens(app, args)
-    app.submit(generate_job(app, req, prompt))
+    app.submit(generate_job(app, req, read_generation(app, req), prompt))
     return None
 
 
@@ -176,6 +199,7 @@ def h_chat(app: App, req: Request) -> dict[str, Any] | None:
     args = req.args
     if "prompt" in args or "tokens" in args:
         raise BadRequest("chat takes messages, not prompt or tokens")
+    gen = read_generation(app, req)  # before any media is decoded (and must be freed)
     messages, media = chat_media(app, req)
     template = app.chat
     end = [template.end_of_turn] if template.end_of_turn else []
@@ -186,7 +210,7 @@ def h_chat(app: App, req: Request) -> dict[str, Any] | None:
             media.text = template.render(messages)
             check_markers(media.projector, media.text, len(media.bitmaps), "the rendered chat")
             make = _media_job(media, chat=True, closer=template.closer_tokens, bos=template.bos)
-            return generate_job(app, req, media.text, make, template.stop_tokens, end)
+            return generate_job(app, req, gen, media.text, make, template.stop_tokens, end)
 
         _submit(app, media, build)
         return None
@@ -197,7 +221,7 @@ def h_chat(app: App, req: Request) -> dict[str, Any] | None:
     if most < cells:  # more than the cells is context_overflow when the job starts
         check(len(tokens), most, "max_request_tokens", "messages render to {n} tokens")
     make = functools.partial(ChatJob, closer=template.closer_tokens, bos=template.bos)
-    app.submit(generate_job(app, req, tokens, make, template.stop_tokens, end))
+    app.submit(generate_job(app, req, gen, tokens, make, template.stop_tokens, end))
     return None
 
 

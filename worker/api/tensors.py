@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from ..core.jobs.tensors import (
 from ..core.ticket import Tensors
 from ..runtime import Origin
 from ..runtime.rows import RowRule
+from ..spec import SamplerSpec
 from .app import App, Handler
 from .generate import next_ephemeral
 from .handlers import session_entries
@@ -150,7 +153,7 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
         if top is not None and (type(top) is not int or not 0 <= top <= 20):
             raise BadRequest(f"steps[{i}].top_logprobs must be 0..20 or null")
         outputs = get_outputs({"output": entry.get("output") or None})
-        spec = get_sampling(entry, "sampling", grammars=app.grammars, limits=app.limits)
+        spec = _stage_spec(app, entry)
         n = len(tokens)
         steps.append(
             StageStep(
@@ -175,6 +178,30 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
         raise BadRequest(f"forward_frame carries {row} rows; one forward takes {app.cfg.budget}")
     app.submit(StageForwardJob(app.ticket(req), steps))
     return None
+
+
+# A stream's sampling map comes with every forward of it down the chain; a
+# stage checks it (and parses its grammar) once, then reuses the spec.
+_STAGE_SPECS: OrderedDict[str, SamplerSpec | None] = OrderedDict()
+_STAGE_SPECS_MAX = 256
+
+
+def _stage_spec(app: App, entry: dict[str, Any]) -> SamplerSpec | None:
+    raw = entry.get("sampling")
+    if raw is None:
+        return None
+    try:
+        key = json.dumps(raw, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON-like: checked (and refused) below
+        return get_sampling(entry, "sampling", grammars=app.grammars, limits=app.limits)
+    if key in _STAGE_SPECS:
+        _STAGE_SPECS.move_to_end(key)
+        return _STAGE_SPECS[key]
+    spec = get_sampling(entry, "sampling", grammars=app.grammars, limits=app.limits)
+    _STAGE_SPECS[key] = spec
+    if len(_STAGE_SPECS) > _STAGE_SPECS_MAX:
+        _STAGE_SPECS.popitem(last=False)
+    return spec
 
 
 def _row_rule(app: App, raw: Any, i: int, n: int) -> RowRule | None:

@@ -1,0 +1,75 @@
+"""Typed requests: a generation's header read once into a ``Generation``, and
+a stage's sampling map checked once per distinct map."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from edge import Request
+from faults import BadRequest, Unsupported
+from worker.api import generate, tensors
+from worker.api.app import App
+from worker.api.requests import Speculation
+from worker.limits import Limits
+
+
+def _app() -> App:
+    return cast(App, SimpleNamespace(limits=Limits().resolved(1024), n_vocab=100, grammars=None))
+
+
+def _req(args: dict[str, Any], session: str | None = None) -> Request:
+    return Request(b"p", 1, "generate", session, args, [], 0.0, None)
+
+
+def test_a_generation_is_read_into_typed_fields() -> None:
+    gen = generate.read_generation(
+        _app(),
+        _req(
+            {
+                "max_tokens": 7,
+                "stop": ["x"],
+                "stop_tokens": [3, 4],
+                "logprobs": True,
+                "top_logprobs": 2,
+                "stream": False,
+                "speculative": {"mode": "prompt_lookup", "ngram": 2},
+            },
+            session="s",
+        ),
+    )
+    assert (gen.session, gen.max_tokens, gen.stop, gen.stop_tokens) == ("s", 7, ("x",), {3, 4})
+    assert (gen.top_logprobs, gen.stream, gen.spec) == (2, False, None)
+    assert gen.speculation == Speculation("prompt_lookup", 8, 2)
+    with pytest.raises(BadRequest, match=r"speculative\.path"):
+        generate.read_generation(_app(), _req({"speculative": {"mode": "draft_model", "path": 1}}))
+
+
+def test_the_worker_decides_what_a_typed_request_may_use() -> None:
+    app = cast(App, SimpleNamespace(draft=None))
+    with pytest.raises(Unsupported, match="no draft model"):
+        generate._drafter(app, Speculation("draft_model", 4))
+
+
+def test_a_stage_checks_each_sampling_map_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    real = tensors.get_sampling
+
+    def counting(entry: dict[str, Any], *a: Any, **kw: Any) -> Any:
+        calls.append(entry)
+        return real(entry, *a, **kw)
+
+    monkeypatch.setattr(tensors, "get_sampling", counting)
+    monkeypatch.setattr(tensors, "_STAGE_SPECS", type(tensors._STAGE_SPECS)())
+    app = cast(App, SimpleNamespace(grammars=None, limits=Limits()))
+    hot = {"sampling": {"temperature": 0.7, "seed": 5}}
+    first = tensors._stage_spec(app, hot)
+    again = tensors._stage_spec(app, {"sampling": {"seed": 5, "temperature": 0.7}})
+    assert first is again and first is not None and len(calls) == 1
+    with pytest.raises(BadRequest):
+        tensors._stage_spec(app, {"sampling": {"temperature": "hot"}})
+    with pytest.raises(BadRequest):  # a refused map is not remembered
+        tensors._stage_spec(app, {"sampling": {"temperature": "hot"}})
+    assert len(calls) == 3

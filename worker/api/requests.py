@@ -1,0 +1,42 @@
+"""Typed requests: what a handler read out of a header, every field checked.
+
+A handler reads a header into one of these (``generate.read_generation``),
+and the job is built from it (``generate.generate_job``): the reading knows
+the wire's names and limits, the building knows the worker (its draft
+model, its lanes), and the job below the line sees neither a header nor a
+dict from the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..spec import SamplerSpec
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """``speculative``: how a generation drafts tokens to verify."""
+
+    mode: Literal["prompt_lookup", "draft_model"]
+    max_draft: int
+    ngram: int = 3  # prompt_lookup
+    path: str | None = None  # draft_model: must name the worker's own, when given
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What ``generate`` and ``chat`` share: the session, how long, how to
+    sample and stop, and what each token event carries."""
+
+    session: str | None  # None: a fresh ephemeral session
+    max_tokens: int
+    spec: SamplerSpec | None  # None: greedy
+    stop: tuple[str, ...]
+    stop_tokens: frozenset[int]
+    ignore_eos: bool
+    stream: bool
+    speculation: Speculation | None
+    top_logprobs: int | None  # None: no logprobs
+    outputs: tuple[str, ...]  # tensors of the row each token was sampled from
