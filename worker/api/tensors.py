@@ -27,7 +27,7 @@ from ..core.jobs.tensors import (
     StageStep,
 )
 from ..core.ticket import Tensors
-from ..runtime import Origin
+from ..runtime import Origin, wire
 from ..runtime.rows import RowRule
 from ..spec import SamplerSpec
 from .app import App, Handler
@@ -124,7 +124,8 @@ def h_echo(app: App, req: Request) -> dict[str, Any] | None:
 
 
 def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
-    """Stage to stage: run this stage's layers over an upstream stage's rows."""
+    """Stage to stage: run this stage's layers over an upstream stage's rows
+    (the step fields: ``runtime/wire.py``; each checked here)."""
     args = req.args
     frame = get_frame(args, "input", req.buffers, app.limits)
     n_embd = app.engine.n_embd
@@ -141,6 +142,9 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
     row = 0
     for i, entry in enumerate(session_entries(app, args, "steps")):
         sid = entry["session"]
+        unknown = sorted(str(k) for k in set(entry) - wire.STEP_FIELDS)
+        if unknown:
+            raise BadRequest(f"steps[{i}].{unknown[0][:64]} is not a forward_frame step field")
         tokens = entry.get("tokens")
         if (
             not isinstance(tokens, list)
@@ -209,12 +213,7 @@ def _row_rule(app: App, raw: Any, i: int, n: int) -> RowRule | None:
     if raw is None:
         return None
     where = f"steps[{i}].rule"
-    if not isinstance(raw, dict) or set(raw) != {
-        "checks",
-        "until_mismatch",
-        "stop_tokens",
-        "stop_eog",
-    }:
+    if not isinstance(raw, dict) or set(raw) != wire.rule_fields():
         raise BadRequest(f"{where} must be a map of checks, until_mismatch, stop_tokens, stop_eog")
     lists = {}
     for key in ("checks", "stop_tokens"):

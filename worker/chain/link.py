@@ -33,7 +33,7 @@ from faults import BadRequest, Fault, SessionNotActive, StageUnavailable, from_c
 from protocol import codec, frames, sockets, transport
 from protocol.envelope import request
 
-from ..runtime import Origin
+from ..runtime import Origin, wire
 from ..runtime.tail import Landed, TailResult, TailStep
 
 _log = get_logger("skiff.stage")
@@ -103,29 +103,14 @@ class StageLink:
             for i, step in enumerate(steps):
                 step.origin = Origin(direct, req_id, i, len(steps))
         positions = [s.position + k for s in steps for k in range(len(s.tokens))]
-        wire = hidden.astype(self.frame_dtype) if hidden.dtype != self.frame_dtype else hidden
+        rows = hidden.astype(self.frame_dtype) if hidden.dtype != self.frame_dtype else hidden
         frame = frames.make_frame(
-            [("hidden", wire, 0)], positions=positions, sequence_count=len(steps)
+            [("hidden", rows, 0)], positions=positions, sequence_count=len(steps)
         )
         buffers: list[Any] = []
         args = {
             "input": frames.attach(frame, buffers),
-            "steps": [
-                {
-                    "session": s.session,
-                    "tokens": s.tokens,
-                    "position": s.position,
-                    "sample": s.sample,
-                    "sampling": s.sampling,
-                    "output": list(s.outputs),
-                    "capture_all": s.capture_all,
-                    "top_logprobs": s.top_logprobs,
-                }
-                | ({"all_rows": True} if s.all_rows else {})
-                | ({"rule": s.rule.to_wire()} if s.rule is not None else {})
-                | ({"origin": _origin_wire(s.origin)} if s.origin is not None else {})
-                for s in steps
-            ],
+            "steps": [wire.step_out(s) for s in steps],
         }
         return self._send("forward_frame", None, args, buffers, self.timeout_ms, len(steps), req_id)
 
@@ -276,12 +261,7 @@ class StageLink:
         if steps is None:
             return reply, buffers
         items = (reply.get("result") or {}).get("results")
-        if (
-            self._direct is not None
-            and isinstance(items, list)
-            and items
-            and all(isinstance(i, dict) and i.get("direct") for i in items)
-        ):
+        if self._direct is not None and wire.is_direct(items):
             return _ACK  # the stages below took it; the last stage answers us directly
         try:
             return _results(reply, buffers, steps)
@@ -349,10 +329,6 @@ class StageLink:
 _ACK = object()  # a forward's acknowledgement: its result comes on the direct socket
 
 
-def _origin_wire(origin: Origin) -> list[Any]:
-    return [origin.peer.hex(), origin.request, origin.index, origin.count]
-
-
 @dataclass(slots=True)
 class _Pending:
     op: str
@@ -363,26 +339,9 @@ class _Pending:
 def _results(reply: dict[str, Any], buffers: list[memoryview], steps: int) -> list[TailResult]:
     """A ``forward_frame`` reply's per-step results, rows cut from its frame."""
     result = reply.get("result") or {}
-    items = result.get("results")
-    if not isinstance(items, list) or len(items) != steps:
-        raise ValueError(f"{steps} steps sent, results for {len(items or [])}")
-    parts: dict[str, np.ndarray] = {}
+    arrays: dict[str, np.ndarray] = {}
     if "frame" in result:
-        parts = {k: np.array(v) for k, v in frames.parse(result["frame"], buffers).arrays().items()}
-    out: list[TailResult] = []
-    row = 0
-    for item in items:
-        n = int(item.get("rows", 0))
-        mine = {k: v[row : row + n] for k, v in parts.items()}
-        row += n
-        out.append(
-            TailResult(
-                token=item.get("token"),
-                logprobs=item.get("logprobs"),
-                error=item.get("error"),
-                parts=mine,
-                row_tokens=item.get("row_tokens"),
-                row_logprobs=item.get("row_logprobs"),
-            )
-        )
-    return out
+        arrays = {
+            k: np.array(v) for k, v in frames.parse(result["frame"], buffers).arrays().items()
+        }
+    return wire.results_in(result, arrays, steps)

@@ -15,7 +15,7 @@ import numpy as np
 
 from faults import BadRequest, LanesBusy
 
-from ...runtime import Origin, RuntimeState, Session, SessionId, Step, StepResult
+from ...runtime import Origin, RuntimeState, Session, SessionId, Step, StepResult, wire
 from ...runtime.portable import export_session, import_session
 from ...runtime.rows import RowRule
 from ...spec import SamplerSpec
@@ -224,38 +224,20 @@ class StageForwardJob(Job):
         for step, result in zip(self.steps, results, strict=True):
             origin = step.origin
             if origin is None:
-                items.append(_item(result, parts))
+                items.append(wire.result_out(result, parts))
                 continue
             if rt.tail is None:
                 key = (origin.peer, origin.request)
                 direct.setdefault(key, []).append((origin.index, result))
-            items.append({"token": None, "rows": 0, "direct": True})
+            items.append(dict(wire.DIRECT))
         for (peer, request), group in direct.items():
             group.sort(key=lambda pair: pair[0])
             mine: dict[str, list[np.ndarray]] = {}
-            answer = [_item(result, mine) for _, result in group]
+            answer = [wire.result_out(result, mine) for _, result in group]
             head = Ticket(owner=peer, id=request, op="forward_frame", outbox=self.ticket.outbox)
             head.reply({"results": answer}, _tensors(mine, len(group), rt.n_layer))
         self.ticket.reply({"results": items}, _tensors(parts, len(results), rt.n_layer))
         return True
-
-
-def _item(result: StepResult, parts: dict[str, list[np.ndarray]]) -> dict[str, Any]:
-    """One step's entry of a ``forward_frame`` reply; its output rows go to ``parts``."""
-    item: dict[str, Any] = {"token": result.token, "rows": 0}
-    if result.logprobs is not None:
-        item["logprobs"] = result.logprobs
-    if result.error is not None:
-        item["error"] = result.error.message
-    if result.row_tokens is not None:
-        item["row_tokens"] = result.row_tokens
-        item["row_logprobs"] = result.row_logprobs
-    for name in ("hidden", "logits"):
-        array = getattr(result, name)
-        if array is not None:
-            parts.setdefault(name, []).append(array)
-            item["rows"] = int(array.shape[0])
-    return item
 
 
 def _tensors(parts: dict[str, list[np.ndarray]], steps: int, n_layer: int) -> Tensors | None:
