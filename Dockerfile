@@ -33,6 +33,7 @@ COPY faults faults
 COPY protocol protocol
 COPY edge edge
 COPY worker worker
+COPY speech speech
 COPY loadtest loadtest
 COPY gateway gateway
 # The pinned llama-cpp-python is already there, so pip keeps the portable build.

@@ -250,3 +250,17 @@ def _seconds(duration: str | int | float) -> float:
             total += float(number) * {"h": 3600, "m": 60, "s": 1}[ch]
             number = ""
     return total
+
+
+def test_the_image_copies_every_package_the_project_installs() -> None:
+    """A package moved or added (``speech/`` left ``worker/``) must reach the
+    image, or its entry point (``skiff-speech``) breaks only in containers."""
+    text = (ROOT / "pyproject.toml").read_text()
+    include = text.split("[tool.setuptools.packages.find]", 1)[1].split("]", 1)[0]
+    packages = {p.strip(' "*\n') for p in include.split("[", 1)[1].split(",")}
+    copied = {
+        line.split()[1]
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and len(line.split()) == 3
+    }
+    assert packages and packages <= copied, packages - copied
