@@ -73,3 +73,18 @@ def test_a_stage_checks_each_sampling_map_once(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(BadRequest):  # a refused map is not remembered
         tensors._stage_spec(app, {"sampling": {"temperature": "hot"}})
     assert len(calls) == 3
+
+
+def test_a_map_checked_under_one_workers_limits_is_not_reused_under_anothers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from faults import LimitExceeded
+
+    monkeypatch.setattr(tensors, "_STAGE_SPECS", type(tensors._STAGE_SPECS)())
+    bias = [{"token": 1, "bias": 1.0}, {"token": 2, "bias": 1.0}]
+    entry = {"sampling": {"temperature": 0.5, "logit_bias": bias}}
+    loose = cast(App, SimpleNamespace(grammars=None, limits=Limits()))
+    tight = cast(App, SimpleNamespace(grammars=None, limits=Limits(max_logit_bias=1)))
+    assert tensors._stage_spec(loose, entry) is not None
+    with pytest.raises(LimitExceeded):
+        tensors._stage_spec(tight, entry)

@@ -27,6 +27,7 @@ from ..core.jobs.tensors import (
     StageStep,
 )
 from ..core.ticket import Tensors
+from ..limits import Limits
 from ..runtime import Origin, wire
 from ..runtime.rows import RowRule
 from ..spec import SamplerSpec
@@ -186,7 +187,9 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
 
 # A stream's sampling map comes with every forward of it down the chain; a
 # stage checks it (and parses its grammar) once, then reuses the spec.
-_STAGE_SPECS: OrderedDict[str, SamplerSpec | None] = OrderedDict()
+# Keyed by the checker and limits too: a map valid under one worker's limits
+# may not be under another's (tests run several in one process).
+_STAGE_SPECS: OrderedDict[tuple[int, Limits, str], SamplerSpec | None] = OrderedDict()
 _STAGE_SPECS_MAX = 256
 
 
@@ -195,7 +198,7 @@ def _stage_spec(app: App, entry: dict[str, Any]) -> SamplerSpec | None:
     if raw is None:
         return None
     try:
-        key = json.dumps(raw, sort_keys=True)
+        key = (id(app.grammars), app.limits, json.dumps(raw, sort_keys=True))
     except (TypeError, ValueError):  # not JSON-like: checked (and refused) below
         return get_sampling(entry, "sampling", grammars=app.grammars, limits=app.limits)
     if key in _STAGE_SPECS:
