@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 from edge import logs
+from edge.signals import drain_on_signals
 from protocol import Client, SkiffError
 from protocol.sockets import Curve, CurveKeyError
 
@@ -85,12 +84,7 @@ def serve(argv: Sequence[str]) -> int:
             exporter.close()
         return 1
 
-    def _stop(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal", signal=signal.Signals(signum).name)
-        gateway.drain(cfg.drain_timeout_s)
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    drain_on_signals(gateway.drain, cfg.drain_timeout_s, log)
     log.info(
         "gateway_ready",
         endpoint=gateway.endpoint,

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
-from types import FrameType
 
 import zmq
 
@@ -21,6 +19,7 @@ from edge import EdgeConfig, EdgeServer, flags, logs
 from edge import metrics as edge_metrics
 from edge.flags import Flag
 from edge.memory import reexec_with_tunables
+from edge.signals import drain_on_signals
 from edge.zap import keys_from_flags
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, SocketOptions
 
@@ -207,12 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.close()
             return 2
 
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        log.info("signal", signal=signal.Signals(signum).name)
-        server.drain(args.drain_timeout_s)
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    drain_on_signals(server.drain, args.drain_timeout_s, log)
     log.info("speech worker ready", endpoint=server.endpoint, voices=list(engine.voices))
     try:
         server.serve_forever()

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import resource
-import signal
 import sys
 from collections.abc import Sequence
-from types import FrameType
 
 from edge import EdgeConfig, EdgeServer, logs
 from edge import metrics as edge_metrics
 from edge.memory import reexec_with_tunables
+from edge.signals import drain_on_signals
 from protocol.sockets import SocketOptions
 
 from . import config
@@ -135,12 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=str(exc))
         return 1
 
-    def _stop(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal", signal=signal.Signals(signum).name)
-        server.drain(cfg.drain_timeout_s)
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    drain_on_signals(server.drain, cfg.drain_timeout_s, log)
     log.info(
         "worker_ready",
         endpoint=server.endpoint,
