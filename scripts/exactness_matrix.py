@@ -44,8 +44,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 CLAIMS = ("batch", "span", "chunks", "migrate", "reuse", "trim", "threads")
-# Reported, not part of a rule: a unified KV cache (pipeline stages) after
-# another session freed cells ahead of this one, against a per-lane cache.
+# Reported, not part of a rule: a unified KV cache (only a worker with
+# --ctx-per-lane above ctx / lanes uses one) after another session freed
+# cells ahead of this one, against a per-lane cache.
 # llama.cpp then puts the session's new tokens before its older cells, and
 # the one-row attention loop sums them in that order (docs/exactness.md).
 KNOWN = ("unified",)

@@ -66,3 +66,11 @@ def _tokens(app: App, args: dict[str, Any], name: str = "tokens") -> list[int]:
     return get_prompt_tokens(
         args, name, app.n_vocab, app.rt.ctx_per_lane, app.limits.max_request_tokens
     )
+
+
+def prompt_limit(app: App) -> int:
+    """Most tokens a text prompt may become (``--max-request-tokens``), held
+    when its job tokenizes it; 0: only the lane's cells bound it
+    (``context_overflow``)."""
+    most = app.limits.max_request_tokens
+    return most if most < app.rt.ctx_per_lane else 0

@@ -25,7 +25,7 @@ from ..core.media_feed import MediaPrompt
 from ..core.speculative import Drafter, PromptLookup
 from ..limits import check
 from ..runtime import Ephemeral, SessionId
-from .app import App, Handler, _sampling, _tokens
+from .app import App, Handler, _sampling, _tokens, prompt_limit
 from .media import chat_media, check_markers, generate_prompt, projector_of
 from .requests import Generation, Speculation
 from .validate import (
@@ -137,9 +137,6 @@ def generate_job(
     """The one function that builds a generation's job from its request."""
     # An ephemeral id is not a string, so no peer can name it (see ``Ephemeral``).
     session: SessionId = gen.session if gen.session is not None else next_ephemeral()
-    # A text prompt is tokenized when the job starts and held to the limit then;
-    # 0: only the lane's cells bound it (context_overflow).
-    most = app.limits.max_request_tokens
     return make(
         app.ticket(req),
         session,
@@ -155,7 +152,7 @@ def generate_job(
         drafter=_drafter(app, gen.speculation),
         top_logprobs=gen.top_logprobs,
         outputs=gen.outputs,
-        prompt_limit=most if most < app.rt.ctx_per_lane else 0,
+        prompt_limit=prompt_limit(app),
     )
 
 

@@ -1,4 +1,4 @@
-"""Handlers of media requests: ``prefill_media``, and ``generate`` / ``chat`` with media.
+"""Media in requests: ``prefill_media``, and the media of ``generate`` / ``chat``.
 
 Everything about a request's media is checked here, before a job exists, so
 a refused request leaves its session untouched: the ``media`` list (one map
@@ -11,9 +11,8 @@ messages may carry OpenAI-style content parts: ``text`` parts are joined,
 and an ``image_url`` part (a ``data:`` URL: the worker fetches nothing)
 becomes the marker at its place.
 
-Without a projector (``--mmproj``) media is ``unsupported``; ``generate`` and
-``chat`` without media go to the plain handlers unchanged.
-``generate.py`` owns ``generate`` and ``chat`` and asks here for their media
+Without a projector (``--mmproj``) media is ``unsupported``. ``generate.py``
+owns ``generate`` and ``chat`` and asks here for their media
 (``generate_prompt``, ``chat_media``) only when a request carries some;
 ``MEDIA_HANDLERS`` holds ``prefill_media``.
 """
@@ -34,7 +33,7 @@ from ..core.media_feed import MediaPrompt
 from ..engine.media import Projector
 from ..engine.media_native import Bitmap
 from ..engine.media_sniff import MediaError, image_size
-from .app import App, Handler
+from .app import App, Handler, prompt_limit
 from .sampling import get_sampling
 from .validate import get_bool, get_int, get_messages, get_outputs, get_session, get_str
 
@@ -127,11 +126,6 @@ def check_markers(projector: Projector, text: str, items: int, where: str = "pro
         )
 
 
-def _prompt_limit(app: App) -> int:
-    most = app.limits.max_request_tokens
-    return most if most < app.rt.ctx_per_lane else 0
-
-
 def h_prefill_media(app: App, req: Request) -> dict[str, Any] | None:
     projector = projector_of(app)
     args = req.args
@@ -150,7 +144,7 @@ def h_prefill_media(app: App, req: Request) -> dict[str, Any] | None:
     try:
         check_markers(projector, text, len(bitmaps))
         job = MediaPrefillJob(
-            app.ticket(req), session, prompt, app.chunk, spec, outputs, _prompt_limit(app)
+            app.ticket(req), session, prompt, app.chunk, spec, outputs, prompt_limit(app)
         )
         app.submit(job)
     except BaseException:

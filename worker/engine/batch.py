@@ -120,7 +120,9 @@ def ubatch_rows(seqs: Sequence[int], n_ubatch: int, per_lane_streams: bool) -> l
     against the captures' sizes (``Engine.take_taps``).
     """
     n = len(seqs)
-    if not per_lane_streams:
+    if not per_lane_streams or all(s == seqs[0] for s in seqs):
+        # one lane's rows (a prompt piece, a stage's single stream) split as a
+        # unified cache splits: runs of n_ubatch in batch order
         return [list(range(i, min(i + n_ubatch, n))) for i in range(0, n, n_ubatch)]
     rows_of: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
