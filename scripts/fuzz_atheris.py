@@ -119,6 +119,14 @@ class FakeApp:
             self.limits = Limits().resolved(self.rt.ctx_per_lane)
         except ImportError:  # a tree without configurable limits
             pass
+        try:
+            from worker.api.validate import Context
+
+            self.context = Context(self.limits, self.n_vocab, self.grammars)
+            most = self.limits.max_request_tokens
+            self.prompt_limit = most if most < self.rt.ctx_per_lane else 0
+        except ImportError:  # a tree that reads requests field by field
+            pass
         self.outbox = Outbox()
         self.jobs = 0
 

@@ -14,7 +14,7 @@ from edge import Request
 from faults import BadRequest
 from protocol import Client, SkiffError
 from worker.api.generate import h_chat
-from worker.api.validate import get_messages
+from worker.api.validate import Context, get_messages
 from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
 from worker.core.jobs.generate import ChatJob
 from worker.limits import Limits
@@ -152,6 +152,8 @@ def test_chat_job_gets_the_end_of_turn_stop() -> None:
         chat=ChatTemplate.load("", vocab),
         rt=SimpleNamespace(ctx_per_lane=2048),
         limits=Limits().resolved(2048),
+        context=Context(Limits().resolved(2048), n_vocab=1000),
+        prompt_limit=0,
         chunk=256,
         ticket=lambda req: SimpleNamespace(id=req.id),
         submit=jobs.append,

@@ -224,7 +224,7 @@ def test_scalar_validators_give_their_type_or_a_fault(value: Any) -> None:
     args = {"x": value}
     got = _fault_or(lambda: validate.get_int(args, "x", lo=-5, hi=2**40))
     assert got is None or (type(got) is int and -5 <= got <= 2**40)
-    got = _fault_or(lambda: validate.get_float(args, "x", default=0.5, lo=-1.0, hi=1.0))
+    got = _fault_or(lambda: validate.read_fields(args, {"x": validate.Num(0.5, -1.0, 1.0)})["x"])
     assert got is None or (type(got) is float and -1.0 <= got <= 1.0)
     got = _fault_or(lambda: validate.get_bool(args, "x", False))
     assert got is None or type(got) is bool

@@ -24,7 +24,14 @@ from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import Client, SkiffError, frames
 from worker import config
 from worker.api.sampling import get_sampling
-from worker.api.validate import get_frame, get_messages, get_prompt_tokens, get_stops
+from worker.api.validate import (
+    Context,
+    Stops,
+    get_frame,
+    get_messages,
+    get_prompt_tokens,
+    read_fields,
+)
 from worker.core.jobs.base import PrefillJob, SessionOpJob
 from worker.core.ticket import Event
 from worker.limits import FIELDS, Limits, flag, invalid
@@ -88,6 +95,9 @@ def _limit(match: str) -> Any:
 
 
 def test_stop_strings_count_and_length() -> None:
+    def get_stops(args: dict[str, object], limits: Limits) -> list[str]:
+        return list(read_fields(args, {"stop": Stops()}, Context(limits=limits))["stop"])
+
     assert get_stops({"stop": ["a", "bcd"]}, SMALL) == ["a", "bcd"]
     with _limit(r"^stop has 3 strings; the limit is 2 \(--max-stops\)$"):
         get_stops({"stop": ["a", "b", "c"]}, SMALL)

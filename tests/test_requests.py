@@ -13,11 +13,14 @@ from faults import BadRequest, Unsupported
 from worker.api import generate, tensors
 from worker.api.app import App
 from worker.api.requests import Speculation
+from worker.api.validate import Context
 from worker.limits import Limits
 
 
 def _app() -> App:
-    return cast(App, SimpleNamespace(limits=Limits().resolved(1024), n_vocab=100, grammars=None))
+    limits = Limits().resolved(1024)
+    context = Context(limits, n_vocab=100)
+    return cast(App, SimpleNamespace(limits=limits, n_vocab=100, grammars=None, context=context))
 
 
 def _req(args: dict[str, Any], session: str | None = None) -> Request:

@@ -24,6 +24,7 @@ from protocol import frames
 from protocol.envelope import VERSION, event_reply, ok_reply
 
 from .api.ops import OPS
+from .api.validate import Context
 from .chain.setup import StagePlan, link_for
 from .config import WorkerConfig
 from .core.chat import ChatTemplate
@@ -70,6 +71,9 @@ class LlmService:
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
         # Every limit on what a peer controls; per-lane ones resolved to cells.
         self.limits = cfg.limits.resolved(self.rt.ctx_per_lane)
+        self.context = Context(self.limits, self.n_vocab, self.grammars)  # what field rules need
+        most = self.limits.max_request_tokens
+        self.prompt_limit = most if most < self.rt.ctx_per_lane else 0  # api.app.App
         # Keep room for a full row of decodes beside a prefill piece, so a
         # prompt never waits on running streams (nor they on it).
         self.chunk = max(1, min(cfg.prefill_chunk, cfg.budget - cfg.lanes))

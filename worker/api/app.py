@@ -27,7 +27,7 @@ from ..limits import Limits
 from ..runtime import RuntimeState
 from ..spec import GrammarChecker, SamplerSpec
 from .sampling import get_sampling
-from .validate import get_prompt_tokens
+from .validate import Context, get_prompt_tokens
 
 
 class App(Protocol):
@@ -43,6 +43,10 @@ class App(Protocol):
     draft: DraftModel | None
     chunk: int
     limits: Limits  # resolved: per-lane limits are numbers of cells
+    context: Context  # limits, vocabulary and grammar checker, for field rules
+    # Most tokens a text prompt may become (``--max-request-tokens``), held
+    # when its job tokenizes it; 0: only the lane's cells bound it.
+    prompt_limit: int
     projector: Projector | None  # --mmproj (media_handlers.py); None: text only
 
     def ticket(self, req: Request) -> Ticket: ...
@@ -66,11 +70,3 @@ def _tokens(app: App, args: dict[str, Any], name: str = "tokens") -> list[int]:
     return get_prompt_tokens(
         args, name, app.n_vocab, app.rt.ctx_per_lane, app.limits.max_request_tokens
     )
-
-
-def prompt_limit(app: App) -> int:
-    """Most tokens a text prompt may become (``--max-request-tokens``), held
-    when its job tokenizes it; 0: only the lane's cells bound it
-    (``context_overflow``)."""
-    most = app.limits.max_request_tokens
-    return most if most < app.rt.ctx_per_lane else 0

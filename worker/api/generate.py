@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 from edge import Request
 from faults import BadRequest, ContextOverflow, Unsupported
@@ -25,44 +26,61 @@ from ..core.media_feed import MediaPrompt
 from ..core.speculative import Drafter, PromptLookup
 from ..limits import check
 from ..runtime import Ephemeral, SessionId
-from .app import App, Handler, _sampling, _tokens, prompt_limit
+from .app import App, Handler, _tokens
 from .media import chat_media, check_markers, generate_prompt, projector_of
 from .requests import Generation, Speculation
+from .sampling import Sampling
 from .validate import (
-    get_bool,
-    get_int,
-    get_outputs,
-    get_stops,
+    OUTPUTS,
+    Bool,
+    Context,
+    Field,
+    Int,
+    Stops,
+    Str,
+    Tokens,
     get_str,
-    get_tokens,
+    outputs_of,
+    read_fields,
 )
 
 
-def _speculation(args: dict[str, Any]) -> Speculation | None:
-    """``speculative``, checked; None when speculation is off."""
-    raw = args.get("speculative")
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise BadRequest("speculative must be a map")
-    mode = raw.get("mode")
-    if mode not in ("prompt_lookup", "draft_model"):
-        raise BadRequest("speculative.mode must be 'prompt_lookup' or 'draft_model'")
-    known = (
-        {"mode", "max_draft", "ngram"} if mode == "prompt_lookup" else {"mode", "max_draft", "path"}
-    )
-    unknown = sorted(str(k) for k in set(raw) - known)
-    if unknown:
-        raise BadRequest(f"speculative.{unknown[0][:64]} is not a known field")
-    max_draft = get_int(raw, "max_draft", default=8, lo=1, hi=64)
-    if mode == "prompt_lookup":
-        return Speculation(
-            "prompt_lookup", max_draft, get_int(raw, "ngram", default=3, lo=1, hi=16)
-        )
-    path = raw.get("path")
-    if path is not None and not isinstance(path, str):
-        raise BadRequest("speculative.path must be a string")
-    return Speculation("draft_model", max_draft, path=path)
+@dataclass(frozen=True)
+class _Speculative(Field):
+    """``speculative``: prompt lookup or the worker's draft model; None: off."""
+
+    nil_ok: bool = True
+
+    def read(self, where: str, value: Any, ctx: Context) -> Speculation:
+        if not isinstance(value, dict):
+            raise BadRequest(f"{where} must be a map")
+        mode = value.get("mode")
+        if mode not in _SPECULATION:
+            raise BadRequest(f"{where}.mode must be 'prompt_lookup' or 'draft_model'")
+        got = read_fields(value, _SPECULATION[mode], ctx, f"{where}.", known="")
+        return Speculation(**got)
+
+
+_MAX_DRAFT = Int(8, lo=1, hi=64)
+_SPECULATION: Final[dict[str, dict[str, Field]]] = {
+    "prompt_lookup": {"mode": Str(), "max_draft": _MAX_DRAFT, "ngram": Int(3, lo=1, hi=16)},
+    "draft_model": {"mode": Str(), "max_draft": _MAX_DRAFT, "path": Str(default=None)},
+}
+
+# What ``generate`` and ``chat`` may ask beside their prompt, in the order
+# the fields are checked (the first wrong one is the error).
+GENERATION: Final[dict[str, Field]] = {
+    **OUTPUTS,
+    "speculative": _Speculative(),
+    "stop": Stops(),
+    "max_tokens": Int(256, lo=1, most="max_new_tokens"),
+    "stop_tokens": Tokens((), max_len=256, allow_empty=True),
+    "sampling": Sampling(),
+    "ignore_eos": Bool(False),
+    "stream": Bool(True),
+    "logprobs": Bool(False),
+    "top_logprobs": Int(0, lo=0, hi=20),
+}
 
 
 def _drafter(app: App, speculation: Speculation | None) -> Drafter | None:
@@ -78,15 +96,6 @@ def _drafter(app: App, speculation: Speculation | None) -> Drafter | None:
     return app.draft.with_max(speculation.max_draft)
 
 
-def _logprobs(args: dict[str, Any]) -> int | None:
-    """How many top logprobs a token event carries; None = no logprobs."""
-    if not get_bool(args, "logprobs", False):
-        if "top_logprobs" in args:
-            raise BadRequest("top_logprobs needs logprobs: true")
-        return None
-    return get_int(args, "top_logprobs", default=0, lo=0, hi=20)
-
-
 _ephemeral_ids = itertools.count(1)
 
 
@@ -96,31 +105,25 @@ def next_ephemeral() -> Ephemeral:
 
 
 def read_generation(app: App, req: Request) -> Generation:
-    """What ``generate`` and ``chat`` share, read and checked from the header."""
+    """What ``generate`` and ``chat`` share, read from the header in one
+    pass over ``GENERATION``; then the rules that tie two fields together."""
     args = req.args
-    limits = app.limits
-    outputs = tuple(get_outputs(args))
-    speculation = _speculation(args)
-    if outputs and speculation is not None:
+    got = read_fields(args, GENERATION, app.context)
+    outputs = outputs_of(args, got)
+    if outputs and got["speculative"] is not None:
         raise Unsupported("output with speculative decoding is not supported; ask one or the other")
-    stop = tuple(get_stops(args, limits))
-    max_tokens = get_int(args, "max_tokens", default=256, lo=1)
-    check(max_tokens, limits.max_new_tokens, "max_new_tokens", f"max_tokens is {max_tokens}")
-    stop_tokens = (
-        get_tokens(args, "stop_tokens", app.n_vocab, max_len=256, allow_empty=True)
-        if "stop_tokens" in args
-        else []
-    )
+    if not got["logprobs"] and "top_logprobs" in args:
+        raise BadRequest("top_logprobs needs logprobs: true")
     return Generation(
         session=req.session,
-        max_tokens=max_tokens,
-        spec=_sampling(app, args),
-        stop=stop,
-        stop_tokens=frozenset(stop_tokens),
-        ignore_eos=get_bool(args, "ignore_eos", False),
-        stream=get_bool(args, "stream", True),
-        speculation=speculation,
-        top_logprobs=_logprobs(args),
+        max_tokens=got["max_tokens"],
+        spec=got["sampling"],
+        stop=got["stop"],
+        stop_tokens=frozenset(got["stop_tokens"]),
+        ignore_eos=got["ignore_eos"],
+        stream=got["stream"],
+        speculation=got["speculative"],
+        top_logprobs=got["top_logprobs"] if got["logprobs"] else None,
         outputs=outputs,
     )
 
@@ -152,7 +155,7 @@ def generate_job(
         drafter=_drafter(app, gen.speculation),
         top_logprobs=gen.top_logprobs,
         outputs=gen.outputs,
-        prompt_limit=prompt_limit(app),
+        prompt_limit=app.prompt_limit,
     )
 
 

@@ -33,7 +33,7 @@ from ..core.media_feed import MediaPrompt
 from ..engine.media import Projector
 from ..engine.media_native import Bitmap
 from ..engine.media_sniff import MediaError, image_size
-from .app import App, Handler, prompt_limit
+from .app import App, Handler
 from .sampling import get_sampling
 from .validate import get_bool, get_int, get_messages, get_outputs, get_session, get_str
 
@@ -144,7 +144,7 @@ def h_prefill_media(app: App, req: Request) -> dict[str, Any] | None:
     try:
         check_markers(projector, text, len(bitmaps))
         job = MediaPrefillJob(
-            app.ticket(req), session, prompt, app.chunk, spec, outputs, prompt_limit(app)
+            app.ticket(req), session, prompt, app.chunk, spec, outputs, app.prompt_limit
         )
         app.submit(job)
     except BaseException:

@@ -16,14 +16,16 @@ This module imports neither the engine nor llama.cpp.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
 
 from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import frames
 from protocol.envelope import MAX_SESSION_CHARS
 
 from ..limits import Limits, check, flag
+from ..spec import GrammarChecker
 
 _DEFAULT_LIMITS = Limits()
 
@@ -34,49 +36,217 @@ def shown(value: Any, limit: int = 64) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class Field:
+    """One field's rule in a request's table: its type, range and limit.
+
+    ``read_fields`` walks a table once: an absent field (or a ``nil`` one,
+    where ``nil_ok``) takes ``default`` (``REQUIRED``: ``bad_request``);
+    a present one is ``read(where, value, ctx)``, where ``where`` names it
+    as the client wrote it (``sampling.top_k``) and ``ctx`` carries what a
+    rule needs of the worker (its limits, vocabulary, grammar checker).
+    """
+
+    default: Any = None
+    nil_ok: bool = False
+
+    def read(self, where: str, value: Any, ctx: Context) -> Any:
+        raise NotImplementedError
+
+
+REQUIRED: Any = object()
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the rules of a table need of the worker."""
+
+    limits: Limits = _DEFAULT_LIMITS
+    n_vocab: int = 1 << 31
+    grammars: GrammarChecker | None = None
+
+
+NO_CONTEXT = Context()
+
+
+@dataclass(frozen=True)
+class Int(Field):
+    """An integer (never a bool) in ``[lo, hi]``; ``most``: the ``Limits``
+    field it is held to (over it is ``limit_exceeded``)."""
+
+    default: int | None = REQUIRED
+    lo: int | None = None
+    hi: int | None = None
+    most: str | None = None
+
+    def read(self, where: str, value: Any, ctx: Context) -> int:
+        if value is None:
+            raise BadRequest(f"{where} is required")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(f"{where} must be an integer")
+        if self.lo is not None and value < self.lo:
+            raise BadRequest(f"{where} must be >= {self.lo}")
+        if self.hi is not None and value > self.hi:
+            raise BadRequest(f"{where} must be <= {self.hi}")
+        if self.most is not None:
+            check(value, getattr(ctx.limits, self.most), self.most, f"{where} is {value}")
+        return value
+
+
+@dataclass(frozen=True)
+class Num(Field):
+    """A finite number in ``[lo, hi]``, as a float."""
+
+    default: float = 0.0
+    lo: float = -math.inf
+    hi: float = math.inf
+
+    def read(self, where: str, value: Any, ctx: Context) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadRequest(f"{where} must be a number")
+        number = float(value)
+        if math.isnan(number) or not self.lo <= number <= self.hi:
+            raise BadRequest(f"{where} must be within [{self.lo}, {self.hi}]")
+        return number
+
+
+@dataclass(frozen=True)
+class Bool(Field):
+    default: bool = False
+
+    def read(self, where: str, value: Any, ctx: Context) -> bool:
+        if not isinstance(value, bool):
+            raise BadRequest(f"{where} must be a boolean")
+        return value
+
+
+@dataclass(frozen=True)
+class Str(Field):
+    default: str | None = REQUIRED
+    max_len: int = 1 << 20
+
+    def read(self, where: str, value: Any, ctx: Context) -> str:
+        if not isinstance(value, str):
+            raise BadRequest(f"{where} must be a string")
+        if len(value) > self.max_len:
+            raise BadRequest(f"{where} is longer than {self.max_len} characters")
+        return value
+
+
+@dataclass(frozen=True)
+class Tokens(Field):
+    """A list of token ids of the model's vocabulary."""
+
+    default: tuple[int, ...] | None = REQUIRED
+    max_len: int = 1 << 20
+    allow_empty: bool = False
+
+    def read(self, where: str, value: Any, ctx: Context) -> list[int]:
+        if not isinstance(value, list):
+            raise BadRequest(f"{where} must be a list of token ids")
+        if not value and not self.allow_empty:
+            raise BadRequest(f"{where} must not be empty")
+        if len(value) > self.max_len:
+            raise BadRequest(f"{where} has {len(value)} tokens; at most {self.max_len} are allowed")
+        return [check_token(t, ctx.n_vocab, f"{where}[{i}]") for i, t in enumerate(value)]
+
+
+@dataclass(frozen=True)
+class Stops(Field):
+    """``stop``: non-empty strings, at most ``max_stops`` of at most
+    ``max_stop_chars`` characters (each is matched against every text delta)."""
+
+    default: tuple[str, ...] = ()
+
+    def read(self, where: str, value: Any, ctx: Context) -> tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+            raise BadRequest(f"{where} must be a list of non-empty strings")
+        limits = ctx.limits
+        check(len(value), limits.max_stops, "max_stops", f"{where} has {{n}} strings")
+        for i, s in enumerate(value):
+            check(
+                len(s),
+                limits.max_stop_chars,
+                "max_stop_chars",
+                f"{where}[{i}] has {{n}} characters",
+            )
+        return tuple(value)
+
+
+OUTPUT_NAMES = ("hidden", "logits")
+
+
+@dataclass(frozen=True)
+class Outputs(Field):
+    """``output``: which tensors a step returns, distinct names of ``OUTPUT_NAMES``."""
+
+    default: tuple[str, ...] | None = None
+    nil_ok: bool = True
+
+    def read(self, where: str, value: Any, ctx: Context) -> tuple[str, ...]:
+        if (
+            not isinstance(value, list)
+            or not all(isinstance(v, str) for v in value)
+            or len(set(value)) != len(value)
+            or not set(value) <= set(OUTPUT_NAMES)
+        ):
+            raise BadRequest(f"{where} must be a list of distinct names from {list(OUTPUT_NAMES)}")
+        return tuple(v for v in OUTPUT_NAMES if v in value)
+
+
+def read_fields(
+    raw: dict[str, Any],
+    table: Mapping[str, Field],
+    ctx: Context = NO_CONTEXT,
+    prefix: str = "",
+    known: str | None = None,
+) -> dict[str, Any]:
+    """Every field of ``table`` read from ``raw`` in one pass, by name.
+
+    With ``known`` (a noun: "sampling"), a key the table lacks is
+    ``bad_request`` ("sampling.x is not a known sampling field"), checked
+    before any value; without it, other keys are left to the caller.
+    """
+    if known is not None:
+        unknown = sorted(str(k) for k in raw if k not in table)
+        if unknown:
+            noun = f"{known} " if known else ""
+            raise BadRequest(f"{prefix}{unknown[0][:64]} is not a known {noun}field")
+    out: dict[str, Any] = {}
+    for name, rule in table.items():
+        value = raw.get(name)
+        if value is None and (rule.nil_ok or name not in raw):
+            if rule.default is REQUIRED:
+                raise BadRequest(f"{prefix}{name} is required")
+            out[name] = rule.default
+        else:
+            out[name] = rule.read(prefix + name, value, ctx)
+    return out
+
+
+def _one(args: dict[str, Any], name: str, rule: Field) -> Any:
+    return read_fields(args, {name: rule})[name]
+
+
 def get_int(
     args: dict[str, Any],
     name: str,
     *,
-    default: int | None = None,
+    default: int | None = REQUIRED,
     lo: int | None = None,
     hi: int | None = None,
 ) -> int:
-    value = args.get(name, default)
-    if value is None:
-        raise BadRequest(f"{name} is required")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{name} must be an integer")
-    if lo is not None and value < lo:
-        raise BadRequest(f"{name} must be >= {lo}")
-    if hi is not None and value > hi:
-        raise BadRequest(f"{name} must be <= {hi}")
-    return value
-
-
-def get_float(args: dict[str, Any], name: str, *, default: float, lo: float, hi: float) -> float:
-    value = args.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequest(f"{name} must be a number")
-    value = float(value)
-    if math.isnan(value) or not lo <= value <= hi:
-        raise BadRequest(f"{name} must be within [{lo}, {hi}]")
+    """One integer field (a table of one ``Int``)."""
+    value: int = _one(args, name, Int(default, lo, hi))
     return value
 
 
 def get_bool(args: dict[str, Any], name: str, default: bool) -> bool:
-    value = args.get(name, default)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be a boolean")
+    value: bool = _one(args, name, Bool(default))
     return value
 
 
 def get_str(args: dict[str, Any], name: str, *, max_len: int = 1 << 20) -> str:
-    value = args.get(name)
-    if not isinstance(value, str):
-        raise BadRequest(f"{name} must be a string")
-    if len(value) > max_len:
-        raise BadRequest(f"{name} is longer than {max_len} characters")
+    value: str = _one(args, name, Str(max_len=max_len))
     return value
 
 
@@ -103,19 +273,6 @@ def check_token(value: Any, n_vocab: int, where: str) -> int:
     return value
 
 
-def get_tokens(
-    args: dict[str, Any], name: str, n_vocab: int, *, max_len: int, allow_empty: bool = False
-) -> list[int]:
-    value = args.get(name)
-    if not isinstance(value, list):
-        raise BadRequest(f"{name} must be a list of token ids")
-    if not value and not allow_empty:
-        raise BadRequest(f"{name} must not be empty")
-    if len(value) > max_len:
-        raise BadRequest(f"{name} has {len(value)} tokens; at most {max_len} are allowed")
-    return [check_token(t, n_vocab, f"{name}[{i}]") for i, t in enumerate(value)]
-
-
 def check_request_tokens(count: int, name: str, cells: int, most: int) -> None:
     """Tokens one request brings: over ``most`` (``--max-request-tokens``, when
     it is the tighter bound) is ``limit_exceeded``, over a lane's ``cells``
@@ -137,18 +294,6 @@ def get_prompt_tokens(
     if isinstance(value, list):
         check_request_tokens(len(value), name, cells, cells if most is None else most)
     return get_tokens(args, name, n_vocab, max_len=cells)
-
-
-def get_stops(args: dict[str, Any], limits: Limits) -> list[str]:
-    """``stop``: a list of non-empty strings, at most ``max_stops`` of at most
-    ``max_stop_chars`` characters (each stop is matched against every text delta)."""
-    stop = args.get("stop", [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop must be a list of non-empty strings")
-    check(len(stop), limits.max_stops, "max_stops", "stop has {n} strings")
-    for i, s in enumerate(stop):
-        check(len(s), limits.max_stop_chars, "max_stop_chars", f"stop[{i}] has {{n}} characters")
-    return stop
 
 
 def get_messages(
@@ -185,26 +330,35 @@ def get_messages(
     return out
 
 
-OUTPUT_NAMES = ("hidden", "logits")
 # Rows of logits one reply may carry (each is n_vocab floats: 1 MiB here).
 MAX_LOGIT_ROWS = 64
 
 
+def get_tokens(
+    args: dict[str, Any], name: str, n_vocab: int, *, max_len: int, allow_empty: bool = False
+) -> list[int]:
+    value: list[int] = read_fields(
+        args, {name: Tokens(max_len=max_len, allow_empty=allow_empty)}, Context(n_vocab=n_vocab)
+    )[name]
+    return value
+
+
 def get_outputs(args: dict[str, Any]) -> tuple[str, ...]:
     """``output``: which tensors a step returns (``return_logits`` = ["logits"])."""
-    value = args.get("output")
-    if value is None:
-        return ("logits",) if get_bool(args, "return_logits", False) else ()
+    return outputs_of(args, read_fields(args, OUTPUTS))
+
+
+OUTPUTS: Final[Mapping[str, Field]] = {"output": Outputs(), "return_logits": Bool(False)}
+
+
+def outputs_of(args: dict[str, Any], read: dict[str, Any]) -> tuple[str, ...]:
+    """The outputs a request asks, from its read ``output`` and ``return_logits``."""
+    if read["output"] is None:
+        return ("logits",) if read["return_logits"] else ()
     if "return_logits" in args:
         raise BadRequest("give output or return_logits, not both")
-    if (
-        not isinstance(value, list)
-        or not all(isinstance(v, str) for v in value)
-        or len(set(value)) != len(value)
-        or not set(value) <= set(OUTPUT_NAMES)
-    ):
-        raise BadRequest(f"output must be a list of distinct names from {list(OUTPUT_NAMES)}")
-    return tuple(v for v in OUTPUT_NAMES if v in value)
+    value: tuple[str, ...] = read["output"]
+    return value
 
 
 def check_logit_rows(outputs: tuple[str, ...], rows: int) -> None:

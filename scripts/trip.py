@@ -1,0 +1,89 @@
+"""Which of skiff's modules one request runs through, counted by running it.
+
+The worker runs in this process's main thread under ``sys.setprofile``; a
+client thread sends one warm-up request (first-call set-up is not the trip),
+then the measured one, and the profiler records every skiff module whose
+code runs on the worker's thread from the send until the final reply
+arrives. The loop's idle polling before and after is outside the window.
+Modules are listed in the order the trip first enters them; data-only
+modules (a dataclass's generated ``__init__`` has no file) do not appear,
+which is the point: they are read, not walked through.
+
+    .venv/bin/python scripts/trip.py                 # a greedy text generate
+    .venv/bin/python scripts/trip.py --sampling      # with a sampling map
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from protocol import Client  # noqa: E402
+from worker import cli  # noqa: E402
+
+_recording = threading.Event()
+_seen: dict[str, int] = {}
+
+
+def _profile(frame: FrameType, event: str, arg: Any) -> None:
+    if event != "call" or not _recording.is_set():
+        return
+    name = frame.f_code.co_filename
+    if name.startswith(str(ROOT)) and name not in _seen:
+        _seen[name] = len(_seen)
+
+
+def _drive(endpoint: str, args: dict[str, Any], done: list[str]) -> None:
+    try:
+        with Client(endpoint, timeout_ms=120_000) as client:
+            client.wait_ready()
+            list(client.generate(args))  # warm-up: first-call set-up
+            _recording.set()
+            list(client.generate(args))
+            _recording.clear()
+            done.append("ok")
+    except Exception as exc:  # reported by the main thread
+        done.append(f"failed: {exc!r}")
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sampling", action="store_true", help="a seeded non-greedy request")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    opts = ap.parse_args()
+    endpoint = f"ipc://{tempfile.mkdtemp(prefix='skiff-trip-')}/w.sock"
+    args: dict[str, Any] = {"prompt": "The capital of France is", "max_tokens": opts.max_tokens}
+    if opts.sampling:
+        args["sampling"] = {"temperature": 0.8, "seed": 7}
+    done: list[str] = []
+    threading.Thread(target=_drive, args=(endpoint, args, done), daemon=True).start()
+    sys.setprofile(_profile)
+    try:
+        cli.main(["--bind", endpoint, "--lanes", "2", "--log-level", "warning"])
+    finally:
+        sys.setprofile(None)
+    if done != ["ok"]:
+        print(f"trip: the client {done}", file=sys.stderr)
+        return 1
+    modules = [str(Path(p).relative_to(ROOT)) for p in sorted(_seen, key=_seen.__getitem__)]
+    print(f"one generate ({'sampled' if opts.sampling else 'greedy'}) runs through "
+          f"{len(modules)} modules, in order of first entry:")
+    for i, m in enumerate(modules, 1):
+        print(f"{i:3d}. {m}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
