@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from worker.engine import Engine, EngineConfig, Segment, greedy_token  # noqa: E402
+from worker.engine import Engine, EngineConfig, Segment  # noqa: E402
 from worker.models import default_model_path  # noqa: E402
 
 CONFIGS = {
@@ -52,13 +52,13 @@ def measure(path: str, knobs: dict[str, bool]) -> dict[str, float]:
         prompts = [base[i : i + 128] for i in range(8)]
         for s, p in enumerate(prompts):
             assert e.decode([Segment(s, p, 0, "last")]).ok
-        last = {s: greedy_token(e, e.output_index(0)) for s in range(8)}
+        last = {s: e.greedy(e.output_index(0)) for s in range(8)}
         pos = dict.fromkeys(range(8), 128)
         t0 = time.perf_counter()
         for _ in range(64):
             assert e.decode([Segment(s, [last[s]], pos[s], "last") for s in range(8)]).ok
             for i, s in enumerate(range(8)):
-                last[s] = greedy_token(e, e.output_index(i))
+                last[s] = e.greedy(e.output_index(i))
                 pos[s] += 1
         decode = 64 * 8 / (time.perf_counter() - t0)
         e.seq_clear(0)
@@ -80,7 +80,7 @@ def measure(path: str, knobs: dict[str, bool]) -> dict[str, float]:
         seq = [last[s]]
         for _ in range(8):
             assert e.decode([Segment(s, [seq[-1]], pos[s], "last")]).ok
-            seq.append(greedy_token(e, e.output_index(0)))
+            seq.append(e.greedy(e.output_index(0)))
             pos[s] += 1
         first = e.logits_row(e.output_index(0)).copy()
         e.seq_rm(s, pos[s] - 8, -1)

@@ -6,7 +6,7 @@ one of a fixed set of 128-token prompts, 2 compute threads everywhere:
 
   raw              the engine in-process: N sequences prefilled, then one
                    ``llama_decode`` per step carrying one token of each
-                   sequence, greedy via ``greedy_token``; no sockets (the ceiling)
+                   sequence, greedy via ``Engine.greedy``; no sockets (the ceiling)
   skiff            ``python -m worker.cli --lanes 8 --threads 2`` over ipc://,
                    driven closed-loop by ``loadtest.run_load`` (N users,
                    N*k requests)
@@ -181,7 +181,7 @@ def bench_raw(
     lengths_out: list[int],
     measure: bool = True,
 ) -> dict[int, Row]:
-    from worker.engine import Engine, EngineConfig, Segment, greedy_token
+    from worker.engine import Engine, EngineConfig, Segment
 
     engine = Engine(EngineConfig(model_path=model, n_ctx=N_CTX, n_seq=LANES, n_threads=THREADS))
     try:
@@ -207,7 +207,7 @@ def bench_raw(
                 if not status.ok:
                     raise RuntimeError(f"raw prefill failed: {status.describe()}")
                 for i, (s, toks) in enumerate(batch):
-                    last[s] = greedy_token(engine, engine.output_index(i))
+                    last[s] = engine.greedy(engine.output_index(i))
                     pos[s] = len(toks)
             step_s: list[float] = []
             for _ in range(steps - 1):
@@ -216,7 +216,7 @@ def bench_raw(
                 if not status.ok:
                     raise RuntimeError(f"raw decode failed: {status.describe()}")
                 for i, s in enumerate(seqs):
-                    last[s] = greedy_token(engine, engine.output_index(i))
+                    last[s] = engine.greedy(engine.output_index(i))
                     pos[s] += 1
                 step_s.append(time.perf_counter() - t)
             return step_s

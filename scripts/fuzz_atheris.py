@@ -100,7 +100,7 @@ class FakeApp:
     def __init__(self) -> None:
         from worker.config import WorkerConfig
         from worker.core.chat import ChatTemplate
-        from worker.core.ticket import Outbox
+        from worker.core.jobs.base import Outbox
         from worker.engine import LlamaGrammars
 
         self.cfg = WorkerConfig(lanes=LANES, ctx=CTX)
@@ -131,7 +131,7 @@ class FakeApp:
         self.jobs = 0
 
     def ticket(self, req: Any) -> Any:
-        from worker.core.ticket import Ticket
+        from worker.core.jobs.base import Ticket
 
         return Ticket(owner=req.peer, id=req.id, op=req.op, outbox=self.outbox)
 

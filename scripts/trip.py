@@ -78,8 +78,10 @@ def main() -> int:
         print(f"trip: the client {done}", file=sys.stderr)
         return 1
     modules = [str(Path(p).relative_to(ROOT)) for p in sorted(_seen, key=_seen.__getitem__)]
-    print(f"one generate ({'sampled' if opts.sampling else 'greedy'}) runs through "
-          f"{len(modules)} modules, in order of first entry:")
+    print(
+        f"one generate ({'sampled' if opts.sampling else 'greedy'}) runs through "
+        f"{len(modules)} modules, in order of first entry:"
+    )
     for i, m in enumerate(modules, 1):
         print(f"{i:3d}. {m}")
     return 0

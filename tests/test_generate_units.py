@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker.core.jobs.base import Event, Outbox, Result, Ticket
 from worker.core.jobs.generate import GenerateJob
-from worker.core.ticket import Event, Outbox, Result, Ticket
 from worker.runtime import Session
 
 

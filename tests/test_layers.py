@@ -210,7 +210,7 @@ def test_client_side_leaves_llama_cpp_and_worker_out() -> None:
 
 
 def test_argument_validation_loads_no_llama_cpp() -> None:
-    loaded = _fresh_modules("import worker.api.validate, worker.spec, worker.core.ticket")
+    loaded = _fresh_modules("import worker.api.validate, worker.spec, worker.core.jobs.base")
     assert "worker.api.validate" in loaded
     assert "llama_cpp" not in loaded
 

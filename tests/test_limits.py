@@ -32,8 +32,8 @@ from worker.api.validate import (
     get_prompt_tokens,
     read_fields,
 )
-from worker.core.jobs.base import PrefillJob, SessionOpJob
-from worker.core.ticket import Event
+from worker.core.jobs.base import Event
+from worker.core.jobs.session import PrefillJob, SessionOpJob
 from worker.limits import FIELDS, Limits, flag, invalid
 
 OTHER = b"other"

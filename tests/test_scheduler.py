@@ -27,18 +27,12 @@ from faults import (
     LanesBusy,
     QueueFull,
 )
-from worker.core.jobs.base import (
-    PHASE_PREFILL,
-    DecodeJob,
-    Job,
-    PrefillJob,
-    SessionOpJob,
-)
+from worker.core.jobs.base import PHASE_PREFILL, Event, Failure, Job, Outbox, Output, Result, Ticket
 from worker.core.jobs.batch import AtomicBatchJob, BatchEntry
 from worker.core.jobs.generate import GenerateJob
+from worker.core.jobs.session import DecodeJob, PrefillJob, SessionOpJob
 from worker.core.outcomes import TurnClock
 from worker.core.scheduler import Scheduler, SchedulerConfig
-from worker.core.ticket import Event, Failure, Outbox, Output, Result, Ticket
 from worker.runtime import Ephemeral, Flight, LanePool, Session, SessionId, Step, StepResult
 from worker.spec import SamplerSpec
 

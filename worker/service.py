@@ -28,10 +28,9 @@ from .api.validate import Context
 from .chain.setup import StagePlan, link_for
 from .config import WorkerConfig
 from .core.chat import ChatTemplate
-from .core.jobs.base import Job
+from .core.jobs.base import Event, Failure, Job, Outbox, Output, Tensors, Ticket
 from .core.scheduler import Scheduler, SchedulerConfig
 from .core.speculative import DraftModel
-from .core.ticket import Event, Failure, Outbox, Output, Tensors, Ticket
 from .engine import Engine, LlamaGrammars
 from .engine.media import Projector
 from .runtime import RuntimeState

@@ -17,10 +17,9 @@ from edge import Request
 
 from ..config import WorkerConfig
 from ..core.chat import ChatTemplate
-from ..core.jobs.base import Job
+from ..core.jobs.base import Job, Ticket
 from ..core.scheduler import Scheduler
 from ..core.speculative import DraftModel
-from ..core.ticket import Ticket
 from ..engine import Engine
 from ..engine.media import Projector
 from ..limits import Limits

@@ -25,13 +25,13 @@ from edge import Request
 from faults import BadRequest, SessionNotActive
 from protocol.envelope import Op
 
-from ..core.jobs.base import (
+from ..core.jobs.batch import AtomicBatchJob, BatchEntry
+from ..core.jobs.session import (
     DecodeJob,
     PrefillJob,
     SessionOpJob,
     VerifyJob,
 )
-from ..core.jobs.batch import AtomicBatchJob, BatchEntry
 from .app import App, Handler, _sampling, _tokens
 from .validate import (
     check_logit_rows,

@@ -18,6 +18,7 @@ from edge import Request
 from faults import BadRequest, ContextOverflow, SessionNotActive
 from protocol.envelope import Op
 
+from ..core.jobs.base import Tensors
 from ..core.jobs.tensors import (
     POOLINGS,
     EmbedJob,
@@ -26,7 +27,6 @@ from ..core.jobs.tensors import (
     StageForwardJob,
     StageStep,
 )
-from ..core.ticket import Tensors
 from ..limits import Limits
 from ..runtime import Origin, wire
 from ..runtime.rows import RowRule

@@ -46,9 +46,8 @@ from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
 
 from ..runtime import RuntimeState, SessionId, Step
 from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job
-from .outcomes import Outcomes
+from .outcomes import Outcomes, SchedulerStats
 from .peers import PeerLimits
-from .stats import SchedulerStats
 
 _log = get_logger("skiff.scheduler")
 _LAND_WAIT_MS = (

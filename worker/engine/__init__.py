@@ -4,7 +4,7 @@ from . import kernels
 from .batch import OutputMode, Segment
 from .grammar import LlamaGrammars, SamplerError
 from .model import DecodeStatus, Engine, EngineConfig, EngineError
-from .sampling import Sampler, greedy_token
+from .sampling import Sampler
 
 __all__ = [
     "DecodeStatus",
@@ -16,6 +16,5 @@ __all__ = [
     "Sampler",
     "SamplerError",
     "Segment",
-    "greedy_token",
     "kernels",
 ]

@@ -22,9 +22,13 @@ loaded (it names the variant) and before the first forward.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import llama_cpp as ll
 
 
 @dataclass(frozen=True)
@@ -124,3 +128,37 @@ def describe(
         "batch_invariant": invariant,
         "rule": asdict(rule),
     }
+
+
+_backend: dict[str, Any] = {}  # what the process's backend was started with
+
+
+def start_backend(batch_invariant: bool, rule: KernelRule | None = None) -> dict[str, Any]:
+    """Start llama.cpp's backend once per process, with the switches of the
+    CPU variant it loaded; the process's ``describe`` (a later call with
+    another ``batch_invariant`` gets the first one's: the caller refuses)."""
+    if not _backend:
+        ll.llama_backend_init()
+        # Silence llama.cpp's own stderr chatter; we log what matters ourselves.
+        ll.llama_log_set(_NULL_LOG, ctypes.c_void_p(0))
+        text = ll.llama_print_system_info().decode("utf-8", "replace")
+        features = sorted(set(re.findall(r"([A-Z0-9_]+) = 1", text)))
+        # A tuned build links one CPU backend; a portable one (GGML_BACKEND_DL)
+        # loaded the best of its per-level variants, which the features name.
+        lib_dir = os.path.join(os.path.dirname(ll.__file__), "lib")
+        build = "tuned" if os.path.exists(os.path.join(lib_dir, "libggml-cpu.so")) else "portable"
+        cpu = describe(build, features, batch_invariant, rule)
+        # ggml reads the switches at its first forward, which has not happened yet.
+        apply(KernelRule(**cpu["rule"]))
+        _backend["cpu"] = cpu
+    return backend_cpu()
+
+
+def backend_cpu() -> dict[str, Any]:
+    """The CPU variant and ggml features this process computes with."""
+    return dict(_backend["cpu"])
+
+
+@ll.llama_log_callback  # type: ignore[untyped-decorator]
+def _NULL_LOG(level: int, text: bytes, user_data: Any) -> None:
+    return None

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,37 +41,16 @@ from . import kernels
 from .batch import Batch, Segment, ubatch_rows
 from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import restream
-from .tap import LayerTap, TapError
-
-_backend: dict[str, Any] = {}  # what the process's backend was started with
+from .tap import LayerTap, TapError, in_batch_order
 
 
 def _ensure_backend(batch_invariant: bool, rule: kernels.KernelRule | None = None) -> None:
-    if _backend:
-        if _backend["cpu"]["batch_invariant"] != batch_invariant:
-            raise EngineError(
-                "batch invariance is fixed once per process; this process already runs with "
-                f"batch_invariant={_backend['cpu']['batch_invariant']}"
-            )
-        return
-    ll.llama_backend_init()
-    # Silence llama.cpp's own stderr chatter; we log what matters ourselves.
-    ll.llama_log_set(_NULL_LOG, ctypes.c_void_p(0))
-    text = ll.llama_print_system_info().decode("utf-8", "replace")
-    features = sorted(set(re.findall(r"([A-Z0-9_]+) = 1", text)))
-    # A tuned build links one CPU backend; a portable one (GGML_BACKEND_DL)
-    # loaded the best of its per-level variants, which the features name.
-    lib_dir = os.path.join(os.path.dirname(ll.__file__), "lib")
-    build = "tuned" if os.path.exists(os.path.join(lib_dir, "libggml-cpu.so")) else "portable"
-    cpu = kernels.describe(build, features, batch_invariant, rule)
-    # ggml reads the switches at its first forward, which has not happened yet.
-    kernels.apply(kernels.KernelRule(**cpu["rule"]))
-    _backend["cpu"] = cpu
-
-
-@ll.llama_log_callback  # type: ignore[untyped-decorator]
-def _NULL_LOG(level: int, text: bytes, user_data: Any) -> None:
-    return None
+    cpu = kernels.start_backend(batch_invariant, rule)
+    if cpu["batch_invariant"] != batch_invariant:
+        raise EngineError(
+            "batch invariance is fixed once per process; this process already runs with "
+            f"batch_invariant={cpu['batch_invariant']}"
+        )
 
 
 class EngineError(RuntimeError):
@@ -280,29 +257,11 @@ class Engine:
         """The layer outputs the tap captured during the last decode."""
         if self.tap is None:
             raise EngineError("this engine has no layer tap")
+        plan = ubatch_rows(self._last.seqs().tolist(), self.n_ubatch, self.n_stream > 1)
         try:
-            got = self.tap.take()
+            return in_batch_order(self.tap.take(), plan, unified=self.n_stream == 1)
         except TapError as exc:
             raise EngineError(str(exc)) from exc
-        if not got:
-            return {}
-        plan = ubatch_rows(self._last.seqs().tolist(), self.n_ubatch, self.n_stream > 1)
-        order = np.fromiter((i for rows in plan for i in rows), dtype=np.int64)
-        out: dict[int, np.ndarray] = {}
-        for layer, parts in got.items():
-            if [len(p) for p in parts] != [len(rows) for rows in plan]:
-                raise EngineError(
-                    f"layer {layer}: llama.cpp computed micro-batches of "
-                    f"{[len(p) for p in parts]} rows, not the {[len(r) for r in plan]} "
-                    "the engine mapped; its batch split changed"
-                )
-            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            if self.n_stream > 1:  # a unified cache keeps batch order
-                placed = np.empty_like(rows)
-                placed[order] = rows
-                rows = placed
-            out[layer] = rows
-        return out
 
     def set_hidden(self, on: bool) -> None:
         """Whether the next decodes also output final hidden states.
@@ -322,6 +281,10 @@ class Engine:
         if not ptr:
             raise EngineError(f"no hidden state for batch row {batch_index}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_embd,))
+
+    def greedy(self, batch_index: int) -> int:
+        """The most likely token of one output row (the first of a tie)."""
+        return int(np.argmax(self.logits_row(batch_index)))
 
     def logits_row(self, batch_index: int) -> np.ndarray:
         """Zero-copy view of one output row; valid until the next decode."""
@@ -415,12 +378,12 @@ class Engine:
 
     @property
     def batch_invariant(self) -> bool:
-        return bool(_backend["cpu"]["batch_invariant"])
+        return bool(kernels.backend_cpu()["batch_invariant"])
 
     @property
     def cpu(self) -> dict[str, Any]:
         """The CPU variant and ggml features this process computes with."""
-        return dict(_backend["cpu"])
+        return kernels.backend_cpu()
 
     def layout(self) -> dict[str, Any]:
         """This context's cache layout (informative: a state loads across

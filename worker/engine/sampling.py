@@ -50,11 +50,6 @@ from .grammar import (
 )
 from .model import Engine
 
-
-def greedy_token(engine: Engine, batch_row: int) -> int:
-    return int(np.argmax(engine.logits_row(batch_row)))
-
-
 # -- per-engine data ------------------------------------------------------------
 
 
@@ -270,7 +265,7 @@ class Sampler:
         to the whole vocabulary and sample again (the expensive path).
         """
         if self.spec.greedy:
-            return greedy_token(self._engine, batch_row)
+            return self._engine.greedy(batch_row)
         logits = self._engine.logits_row(batch_row)
         token = self._run(logits, grammar_first=False)
         if self._grammar is not None and not self._grammar_allows(token, logits):

@@ -98,3 +98,34 @@ class LayerTap:
         if error is not None:
             raise TapError(f"layer capture failed: {error}") from error
         return got
+
+
+def in_batch_order(
+    got: dict[int, list[np.ndarray]], plan: list[list[int]], unified: bool
+) -> dict[int, np.ndarray]:
+    """Each layer's captures as one ``[rows, n_embd]`` array in batch order.
+
+    ``plan`` is the batch rows of each micro-batch as ``batch.ubatch_rows``
+    predicts llama.cpp's split. Per-lane KV streams put a lane's rows
+    together, so the rows come back permuted; a unified cache keeps batch
+    order. Micro-batches of other sizes than predicted mean llama.cpp's split
+    changed: refused, never mapped wrongly.
+    """
+    out: dict[int, np.ndarray] = {}
+    if not got:
+        return out
+    order = np.fromiter((i for rows in plan for i in rows), dtype=np.int64)
+    for layer, parts in got.items():
+        if [len(p) for p in parts] != [len(rows) for rows in plan]:
+            raise TapError(
+                f"layer {layer}: llama.cpp computed micro-batches of "
+                f"{[len(p) for p in parts]} rows, not the {[len(r) for r in plan]} "
+                "the engine mapped; its batch split changed"
+            )
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if not unified:
+            placed = np.empty_like(rows)
+            placed[order] = rows
+            rows = placed
+        out[layer] = rows
+    return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..engine import Engine, Segment, greedy_token
+from ..engine import Engine, Segment
 
 
 class DraftRuntime:
@@ -45,12 +45,12 @@ class DraftRuntime:
             if not self._feed(lane, have, feed[start : start + step]):
                 return []
         drafts: list[int] = []
-        token = greedy_token(self.engine, self.engine.output_index(0))
+        token = self.engine.greedy(self.engine.output_index(0))
         while True:
             drafts.append(token)
             if len(drafts) == k or not self._feed(lane, have, [token]):
                 return drafts
-            token = greedy_token(self.engine, self.engine.output_index(0))
+            token = self.engine.greedy(self.engine.output_index(0))
 
     def _feed(self, lane: int, have: list[int], tokens: list[int]) -> bool:
         status = self.engine.decode([Segment(lane, tokens, len(have), "last")])

@@ -17,7 +17,7 @@ import numpy as np
 
 from faults import BadRequest
 
-from ..engine import Engine, Sampler, SamplerError, greedy_token
+from ..engine import Engine, Sampler, SamplerError
 from ..spec import SamplerSpec
 from .lanes import Session
 from .rows import accept
@@ -46,7 +46,7 @@ class RowReader:
         (when not None) leaves the token's logprobs in ``session.last_logprobs``.
         """
         if spec is None or spec.greedy:
-            token = greedy_token(self.engine, row)
+            token = self.engine.greedy(row)
         else:
             try:
                 token = self.sampler_for(session, spec).sample(row)

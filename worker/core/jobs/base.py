@@ -9,26 +9,147 @@ in order with the session's other work.
 Phases order a turn's batch: decode tokens first (running streams never
 wait behind a prompt), then atomic batches, then prefill chunks.
 
-The atomic batch jobs (``BatchEntry``, ``AtomicBatchJob``: many sessions in
-one forward) are in ``batch_jobs.py``.
+A job never sends anything. It writes typed outputs (a ``Result``, stream
+``Event``s, a ``Failure``) into the shared ``Outbox`` through its
+``Ticket``; after each scheduler turn the edge takes them out, renders
+headers and tensor frames, and sends them. So no call made during a turn
+reaches a socket, and a peer found dead while sending is handled after the
+turn (its work is cancelled before the next). ``Ticket.owner`` is opaque to
+the core: it only groups the requests of one peer (``cancel``, a peer gone).
+
+The jobs of each op family are beside this module: ``session`` (prefill,
+decode, verify, trim / align / drop / signal), ``generate``, ``batch``,
+``tensors``, ``media``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from faults import BadRequest, Cancelled
+from faults import Cancelled
 
-from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
-from ...runtime.rows import RowRule
-from ...spec import SamplerSpec
-from ..ticket import Tensors, Ticket
+from ...runtime import RuntimeState, SessionId, Step, StepResult
 
 # Tokens a settled verify feeds (no logits) per turn.
-_FEED_PIECE = 256
+# -- what a job writes: typed outputs, through its ticket ----------------------
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """Tensors one output carries; the edge sends them as one frame.
+
+    ``parts`` maps an identity ("hidden", "logits", "kv_state", ...) to an
+    array; ``axes`` gives a part's token axis (default 0; -1: none).
+    ``positions`` are the tokens' positions; ``token_count`` defaults to the
+    token-axis length of the parts.
+    """
+
+    parts: dict[str, np.ndarray]
+    positions: list[int] | None = None
+    sequence_count: int = 1
+    layer_start: int = 0
+    layer_end: int = 0
+    axes: dict[str, int] = field(default_factory=dict)
+    token_count: int | None = None
+    producer_stage: int = 0
+
+
+@dataclass(frozen=True)
+class Result:
+    """The one reply of a request. ``done`` marks the reply of a streamable op
+    run with ``stream: false``. ``tensors`` travel as one frame."""
+
+    data: dict[str, Any]
+    tensors: Tensors | None = None
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Event:
+    """One message of a stream; ``data["event"]`` names it, the last has ``done``."""
+
+    data: dict[str, Any]
+    tensors: Tensors | None = None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.data.get("done"))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The request ended with this error (its class carries the wire code)."""
+
+    error: BaseException
+
+
+Output = Result | Event | Failure
+
+
+class Outbox:
+    """Outputs written during a turn, in order, until the edge takes them."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Ticket, Output]] = []
+
+    def put(self, ticket: Ticket, output: Output) -> None:
+        self._items.append((ticket, output))
+
+    def take(self) -> list[tuple[Ticket, Output]]:
+        items, self._items = self._items, []
+        return items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """Who asked (``owner``, ``id``), for what, by when, and where answers go."""
+
+    owner: Hashable
+    id: int
+    op: str
+    outbox: Outbox
+    session: str | None = None  # for logs only
+    deadline: float | None = None  # monotonic seconds
+    received: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+    def _put(self, output: Output) -> None:
+        self.outbox.put(self, output)
+
+    def reply(self, data: dict[str, Any], tensors: Tensors | None = None) -> None:
+        self.finished = True
+        self._put(Result(data, tensors))
+
+    def reply_done(self, data: dict[str, Any], tensors: Tensors | None = None) -> None:
+        """The single reply of a streamable op run with ``stream: false``."""
+        self.finished = True
+        self._put(Result(data, tensors, done=True))
+
+    def event(self, data: dict[str, Any], tensors: Tensors | None = None) -> None:
+        output = Event(data, tensors)
+        if output.done:
+            self.finished = True
+        self._put(output)
+
+    def fail(self, exc: BaseException) -> None:
+        self.finished = True
+        self._put(Failure(exc))
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+
+# -- jobs ------------------------------------------------------------------------
+
+
 # Most rows of logits one step asks for (a verify piece, a speculative span).
 # Not for exactness (every row scores as if alone at any batch size): the
 # logits buffer llama.cpp keeps grows to the most rows ever asked and never
@@ -128,244 +249,3 @@ def chunk_bounds(done: int, total: int, chunk: int, budget: int) -> int:
     if n <= budget:
         return n
     return budget if budget >= MIN_CUT else 0
-
-
-class PrefillJob(Job):
-    phase = PHASE_PREFILL
-
-    def __init__(
-        self,
-        ticket: Ticket,
-        session: SessionId,
-        tokens: list[int],
-        chunk: int,
-        sampled: bool,
-        spec: SamplerSpec | None,
-        outputs: tuple[str, ...] = (),
-        embd: np.ndarray | None = None,
-        start_position: int | None = None,
-    ) -> None:
-        super().__init__(ticket, [session])
-        self.tokens = tokens  # with ``embd``: placeholders (-1), one per row
-        self.chunk = chunk
-        self.sampled = sampled
-        self.spec = spec
-        self.outputs = outputs  # every prompt token's rows, captured piece by piece
-        self.embd = embd
-        self.start_position = start_position
-        self.captured: list[StepResult] = []
-        self.position0 = 0
-        self.done = 0
-        self.inflight = 0
-        self.session: Session | None = None
-
-    def start(self, rt: RuntimeState) -> bool:
-        # A new session may start on a cached lane already holding a prefix
-        # of these tokens; only the rest is prefilled (same KV, same result).
-        # Not when every token's rows are asked for, or for embeddings input.
-        reuse = not self.outputs and self.embd is None
-        self.session, self.done = rt.admit_prompt(
-            self.sessions[0], self.tokens, self.ephemeral, reuse=reuse
-        )
-        if self.start_position is not None and self.start_position != self.session.position:
-            raise BadRequest(
-                f"positions start at {self.start_position} but session "
-                f"{self.sessions[0]!r} is at {self.session.position}"
-            )
-        self.position0 = self.session.position
-        rt.ensure_room(self.session, len(self.tokens) - self.done)
-        return False
-
-    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
-        assert self.session is not None
-        total = len(self.tokens)
-        n = chunk_bounds(self.done, total, self.chunk, budget)
-        self.inflight = n
-        if n == 0:
-            return []
-        part = self.tokens[self.done : self.done + n]
-        sample = self.sampled and self.done + n == total
-        embd = self.embd[self.done : self.done + n] if self.embd is not None else None
-        return [
-            Step(
-                self.session,
-                part,
-                sample=sample,
-                spec=self.spec,
-                outputs=self.outputs,
-                capture_all=bool(self.outputs),
-                embd=embd,
-            )
-        ]
-
-    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
-        assert self.session is not None
-        self.done += self.inflight
-        if self.outputs:
-            self.captured.append(results[0])
-        if self.done < len(self.tokens):
-            return False
-        result: dict[str, Any] = {"position": self.session.position}
-        if self.sampled:
-            result["token"] = results[0].token
-        end = self.session.position
-        tensors = tensors_of(rt, self.captured, list(range(self.position0, end)))
-        self.ticket.reply(result, tensors)
-        return True
-
-
-class DecodeJob(Job):
-    """One token for one session; concurrent ones share a forward."""
-
-    def __init__(
-        self,
-        ticket: Ticket,
-        session: str,
-        token: int,
-        spec: SamplerSpec | None,
-        outputs: tuple[str, ...] = (),
-    ) -> None:
-        super().__init__(ticket, [session])
-        self.token = token
-        self.spec = spec
-        self.outputs = outputs
-        self.session: Session | None = None
-
-    def start(self, rt: RuntimeState) -> bool:
-        (self.session,) = rt.admit(self.sessions)
-        rt.ensure_room(self.session, 1)
-        return False
-
-    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
-        assert self.session is not None
-        if budget < 1:
-            return []
-        return [Step(self.session, [self.token], True, self.spec, self.outputs)]
-
-    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
-        assert self.session is not None
-        position = self.session.position
-        result: dict[str, Any] = {"token": results[0].token, "position": position}
-        self.ticket.reply(result, tensors_of(rt, results, [position - 1]))
-        return True
-
-
-class SessionOpJob(Job):
-    """trim / align / drop / signal / signal_window: no forward, but ordered
-    with the session's other work."""
-
-    def __init__(self, ticket: Ticket, session: SessionId, op: str, token_count: int = 0) -> None:
-        super().__init__(ticket, [session])
-        self.op = op
-        self.token_count = token_count
-
-    def start(self, rt: RuntimeState) -> bool:
-        sid = self.sessions[0]
-        if self.op == "trim":
-            self.ticket.reply({"position": rt.trim(sid, self.token_count)})
-        elif self.op == "align":
-            before, after = rt.align(sid, self.token_count)
-            self.ticket.reply({"before": before, "after": after})
-        elif self.op in ("signal", "signal_window"):
-            self.ticket.reply(rt.signals(sid, self.op, self.token_count))
-        else:
-            rt.drop(sid)
-            self.ticket.reply({})
-        return True
-
-
-class VerifyJob(Job):
-    """Score a span ``[t0, d1..dk]`` and keep the agreeing drafts.
-
-    ``predicted[i]`` is the target's token after ``tokens[..i]``. Every row
-    scores exactly as plain decoding would (rows are batch-invariant); the
-    span goes in pieces of at most ``MAX_LOGIT_ROWS`` rows, one piece a turn,
-    so llama.cpp's logits buffer stays small however long the span.
-    Greedy verification reports all k+1 predictions; a stateful sampler
-    stops at the first disagreement so its RNG and penalty state advance
-    exactly as plain decoding would have. Tokens after a disagreement are fed
-    without logits when ``trim`` is false (they stay in the KV cache).
-    """
-
-    phase = PHASE_ATOMIC
-    atomic = True
-
-    def __init__(
-        self,
-        ticket: Ticket,
-        session: str,
-        tokens: list[int],
-        spec: SamplerSpec | None,
-        trim: bool,
-    ) -> None:
-        super().__init__(ticket, [session])
-        self.tokens = tokens
-        self.spec = spec
-        self.trim = trim
-        self.session: Session | None = None
-        self.start_position = 0
-        self.done = 0  # tokens of the span already in the KV cache
-        self.inflight = 0
-        self.predicted: list[int] = []
-        self.settled = False  # a stateful sampler disagreed: no more sampling
-
-    def start(self, rt: RuntimeState) -> bool:
-        (self.session,) = rt.admit(self.sessions)
-        rt.ensure_room(self.session, len(self.tokens))
-        self.start_position = self.session.position
-        return False
-
-    def size(self) -> int:
-        left = len(self.tokens) - self.done
-        return min(_FEED_PIECE if self.settled else MAX_LOGIT_ROWS, left)
-
-    def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
-        assert self.session is not None
-        n = self.size()
-        if n > budget:
-            return []
-        self.inflight = n
-        part = self.tokens[self.done : self.done + n]
-        if self.settled:
-            return [Step(self.session, part)]
-        # row k predicts the token after part[k]: checked against the span's next
-        greedy = self.spec is None or self.spec.greedy
-        checks = tuple(self.tokens[self.done + 1 : self.done + n + 1])
-        rule = RowRule(checks, until_mismatch=not greedy)
-        return [Step(self.session, part, False, self.spec, all_rows=True, rule=rule)]
-
-    def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
-        session = self.session
-        assert session is not None
-        first = self.done
-        self.done += self.inflight
-        if not self.settled:
-            self._score(first, results[0].row_tokens)
-        if self.done < len(self.tokens) and not (self.settled and self.trim):
-            return False
-        drafts = self.tokens[1:]
-        accepted = 0
-        while accepted < len(drafts) and accepted < len(self.predicted):
-            if self.predicted[accepted] != drafts[accepted]:
-                break
-            accepted += 1
-        keep = self.start_position + 1 + accepted
-        if self.trim and keep < session.position:
-            rt.trim(session.id, keep)
-        self.ticket.reply(
-            {"predicted": self.predicted, "accepted": accepted, "position": session.position}
-        )
-        return True
-
-    def _score(self, first: int, tokens: list[int] | None) -> None:
-        """Predictions after tokens ``first ..`` of the span, sampled from this
-        piece's rows by its ``RowRule`` (here, or on a pipeline's last stage)."""
-        assert tokens is not None
-        drafts = self.tokens[1:]
-        greedy = self.spec is None or self.spec.greedy
-        for k, token in enumerate(tokens):
-            i = first + k  # prediction i is checked against drafts[i]
-            self.predicted.append(token)
-            if not greedy and (i == len(drafts) or token != drafts[i]):
-                self.settled = True
-                return

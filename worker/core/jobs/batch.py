@@ -16,8 +16,7 @@ from faults import BadRequest, ContextOverflow, LanesBusy
 
 from ...runtime import RuntimeState, Session, Step, StepResult
 from ...spec import SamplerSpec
-from ..ticket import Ticket
-from .base import PHASE_ATOMIC, Job, tensors_of
+from .base import PHASE_ATOMIC, Job, Ticket, tensors_of
 
 
 class BatchEntry:

@@ -27,8 +27,15 @@ from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
 from ...runtime.rows import RowRule
 from ...spec import SamplerSpec
 from ..speculative import Drafter
-from ..ticket import Ticket
-from .base import MAX_LOGIT_ROWS, PHASE_DECODE, PHASE_PREFILL, Job, chunk_bounds, tensors_of_rows
+from .base import (
+    MAX_LOGIT_ROWS,
+    PHASE_DECODE,
+    PHASE_PREFILL,
+    Job,
+    Ticket,
+    chunk_bounds,
+    tensors_of_rows,
+)
 
 
 class GenerateJob(Job):

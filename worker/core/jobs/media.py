@@ -28,8 +28,7 @@ from ...limits import check
 from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
 from ...spec import SamplerSpec
 from ..media_feed import MediaFeed, MediaPrompt, feed_for
-from ..ticket import Ticket
-from .base import PHASE_PREFILL, Job, tensors_of
+from .base import PHASE_PREFILL, Job, Ticket, tensors_of
 from .generate import GenerateJob
 
 

@@ -19,8 +19,8 @@ from ...runtime import Origin, RuntimeState, Session, SessionId, Step, StepResul
 from ...runtime.portable import export_session, import_session
 from ...runtime.rows import RowRule
 from ...spec import SamplerSpec
-from ..ticket import Tensors, Ticket
-from .base import PHASE_ATOMIC, Job, PrefillJob
+from .base import PHASE_ATOMIC, Job, Tensors, Ticket
+from .session import PrefillJob
 
 POOLINGS = ("none", "mean", "last")
 
