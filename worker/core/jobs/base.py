@@ -27,13 +27,15 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from faults import Cancelled
 
-from ...runtime import RuntimeState, SessionId, Step, StepResult
+if TYPE_CHECKING:  # annotations only: the Job protocol and its outputs load no engine
+    from ...runtime import RuntimeState, SessionId, Step, StepResult
+
 
 # Tokens a settled verify feeds (no logits) per turn.
 # -- what a job writes: typed outputs, through its ticket ----------------------
