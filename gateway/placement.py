@@ -71,4 +71,5 @@ class Placer:
         up = [w for w in self.pool.workers.values() if w.kind == SPEECH and w.eligible]
         if not up:
             raise WorkerUnavailable("no speech worker is up")
-        return min(up, key=lambda w: (len(w.inflight), w.name))
+        # requests in flight there: the clients' and the pool's own calls
+        return min(up, key=lambda w: (len(w.inflight) + len(w.peer.pending), w.name))

@@ -22,7 +22,9 @@ Health, two signals:
 A down worker rejoins when it answers ``ping`` and then ``stats`` again (the
 ``stats`` reply rebuilds its sessions' affinity before it takes new work).
 
-Sockets are made by ``protocol.sockets`` plus ``ZMQ_IMMEDIATE``: a send to a
+Each connection is a ``protocol.peer.DealerPeer`` (socket, internal calls
+by id, the monitor); this module keeps the gateway's policy: when a worker
+is up or down, health, load. Its socket has ``ZMQ_IMMEDIATE``: a send to a
 worker with no live connection fails at once (``EAGAIN``) instead of queueing
 for a worker that may come back without the session, so the caller answers
 ``worker_unavailable`` and nothing stale is replayed on reconnect.
@@ -33,8 +35,9 @@ finish, counted so that replies ordered on the same connection make the
 estimate exact for gateway traffic: work sent after the ``stats`` request
 was sent, minus work finished after its reply arrived.
 
-The owner (``gateway/server.py``) learns of transitions through a
-``PoolListener`` and runs the pool from its loop (``tick``, ``recv``).
+The owner (``gateway/server.py``) learns of transitions and gets the
+replies to its forwarded client requests through a ``PoolListener``, and
+runs the pool from its loop (``tick``, ``recv``).
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from edge import logs
+from faults import Fault, WorkerUnavailable
 from protocol import codec, sockets, transport
-from protocol.envelope import error_reply, request
+from protocol.envelope import error_reply
+from protocol.peer import DealerPeer, NotSent
 
 from .router import Candidate
 
@@ -60,16 +64,16 @@ _log = logs.get_logger("skiff.gateway.pool")
 LLM = "llm"
 SPEECH = "speech"
 
-# Plain ints: combining zmq's enum flags per message costs a microsecond or two.
-NOBLOCK = int(zmq.NOBLOCK)
-EVENTS = int(zmq.EVENTS)
-POLLIN = int(zmq.POLLIN)
-
 # A call's reply: the decoded header and the buffer frames after it.
 OnReply = Callable[[dict[str, Any], list[zmq.Frame]], None]
 
 
 class PoolListener(Protocol):
+    def worker_reply(
+        self, worker: WorkerConn, header: dict[str, Any], buffers: list[zmq.Frame], size: int
+    ) -> None:
+        """A reply that is no internal call's (``size``: its header frame's bytes)."""
+
     def worker_down(self, worker: WorkerConn, reason: str) -> None: ...
 
     def worker_up(self, worker: WorkerConn) -> None: ...
@@ -83,8 +87,7 @@ class WorkerConn:
 
     name: str  # the endpoint, as configured
     kind: str  # LLM or SPEECH
-    sock: zmq.Socket[Any]
-    monitor: zmq.Socket[Any] | None = None
+    peer: DealerPeer
     up: bool = False
     probing: bool = False  # answered ping while down; waiting for stats to rejoin
     draining: bool = False  # no new sessions or ephemeral work
@@ -96,7 +99,7 @@ class WorkerConn:
     info: dict[str, Any] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     uptime_s: float = -1.0
-    inflight: set[int] = field(default_factory=set)  # gateway ids sent here
+    inflight: set[int] = field(default_factory=set)  # gateway ids of client requests here
     downs: int = 0
     # load estimate (see module doc): counters and their values at the last stats
     sent_work: int = 0
@@ -135,12 +138,6 @@ class WorkerConn:
         self.stats = stats
 
 
-@dataclass
-class _Call:
-    worker: WorkerConn
-    on_reply: OnReply | None
-
-
 class Pool:
     """Owns the worker sockets; sends, receives, pings, and calls back."""
 
@@ -162,28 +159,37 @@ class Pool:
         self.stall_after = stall_after_ms / 1000
         self.listener = listener
         self.ids = ids or itertools.count(1)
-        self.calls: dict[int, _Call] = {}
         self.workers: dict[str, WorkerConn] = {}
         # Workers are trusted peers: no frame cap. With ``curve`` (the gateway's own
         # pair and the workers' public key) every worker link is a CURVE client.
-        opts = sockets.SocketOptions(max_message_bytes=-1, curve=curve)
+        opts = sockets.SocketOptions(
+            max_message_bytes=-1,
+            curve=curve,
+            immediate=True,
+            reconnect_max_ms=1000,
+            heartbeat_ms=health_interval_ms,
+            heartbeat_timeout_ms=down_after_ms,
+        )
         for kind, endpoints in ((LLM, llm), (SPEECH, speech)):
             for ep in endpoints:
-                sock = sockets.dealer(context, ep, opts, connect=False)
-                # These apply to connections made after they are set.
-                sock.setsockopt(zmq.IMMEDIATE, 1)
-                sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-                sock.setsockopt(zmq.HEARTBEAT_IVL, health_interval_ms)
-                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, down_after_ms)
-                sock.setsockopt(zmq.HEARTBEAT_TTL, min(down_after_ms, 6_553_500))
-                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-                sock.connect(ep)
-                self.workers[ep] = WorkerConn(ep, kind, sock, monitor)
+                self.workers[ep] = self._connect(context, ep, kind, opts)
         self.by_socket: dict[zmq.Socket[Any], WorkerConn] = {}
         for w in self.workers.values():
-            self.by_socket[w.sock] = w
-            if w.monitor is not None:
-                self.by_socket[w.monitor] = w
+            self.by_socket[w.peer.sock] = w
+            self.by_socket[w.peer.monitor] = w
+
+    def _connect(
+        self, context: zmq.Context[Any], ep: str, kind: str, opts: sockets.SocketOptions
+    ) -> WorkerConn:
+        # A worker's headers are read uncapped (trusted; the cheapest decode).
+        lost = functools.partial(_lost, ep, "connection dropped")
+        peer = DealerPeer(context, ep, opts, gone=lost, ids=self.ids, max_header_bytes=None)
+        w = WorkerConn(ep, kind, peer)
+        peer.other = functools.partial(self.listener.worker_reply, w)
+        peer.on_connected = functools.partial(self._connected, w)
+        peer.on_dropped = functools.partial(self._dropped, w)
+        peer.on_garbage = functools.partial(_garbage, w)
+        return w
 
     # -- views ------------------------------------------------------------------
 
@@ -195,12 +201,7 @@ class Pool:
 
     def sockets(self) -> list[zmq.Socket[Any]]:
         """The sockets to poll: the DEALERs and their monitors."""
-        out: list[zmq.Socket[Any]] = []
-        for w in self.workers.values():
-            out.append(w.sock)
-            if w.monitor is not None:
-                out.append(w.monitor)
-        return out
+        return list(self.by_socket)
 
     # -- sending ----------------------------------------------------------------
 
@@ -209,7 +210,7 @@ class Pool:
         bytes sent, or 0 when the worker has no live connection or its queue
         is full."""
         payload = codec.encode(header)
-        reason = transport.send(worker.sock, payload, buffers)
+        reason = worker.peer.send(payload, buffers)
         if reason is None:
             return len(payload) + sum(len(b) for b in buffers)
         if reason != transport.NOT_RECEIVING:
@@ -228,27 +229,21 @@ class Pool:
         """An internal request (health, stats, migration). ``on_reply`` gets the
         reply, or a ``worker_unavailable`` error if the worker goes down first
         or cannot be sent to (then at once, and None is returned)."""
-        gid = next(self.ids)
-        if not self.send(worker, request(gid, op, session, args), buffers):
-            if on_reply is not None:
-                on_reply(_unavailable(gid, worker, "not connected"), [])
-            return None
-        self.calls[gid] = _Call(worker, on_reply)
-        worker.inflight.add(gid)
-        return gid
+        gid = worker.peer.next_id()
+        answer = functools.partial(_answer, worker, on_reply)
 
-    def answer_call(self, gid: int, header: dict[str, Any], frames: list[zmq.Frame]) -> bool:
-        """Deliver a reply to an internal call; False when ``gid`` is not one."""
-        call = self.calls.pop(gid, None)
-        if call is None:
-            return False
-        call.worker.inflight.discard(gid)
-        if call.on_reply is not None:
-            try:
-                call.on_reply(header, frames)
-            except Exception:
-                _log.exception("call_callback_failed", worker=call.worker.name)
-        return True
+        def failed(fault: Fault) -> None:
+            answer(error_reply(gid, fault.code, fault.message), [])
+
+        try:
+            return worker.peer.request(
+                op, session, args, buffers, on_reply=answer, on_fail=failed, req_id=gid
+            )
+        except NotSent as exc:
+            if exc.reason != transport.NOT_RECEIVING:
+                _log.warning("send_failed", worker=worker.name, error=exc.reason)
+            failed(_lost(worker.name, "not connected", op))
+            return None
 
     # -- health -----------------------------------------------------------------
 
@@ -316,22 +311,20 @@ class Pool:
         else:
             self.listener.worker_stats(w, result, asked_at)
 
-    def poll_monitors(self, now: float) -> None:
+    def poll_monitors(self) -> None:
         for w in self.workers.values():
-            self.monitor_events(w, now)
+            w.peer.watch()
 
-    def monitor_events(self, w: WorkerConn, now: float) -> None:
+    def monitor_events(self, w: WorkerConn) -> None:
         """Connection events of ``w``: a drop marks it down at once."""
-        mon = w.monitor
-        while mon is not None and readable(mon):
-            try:
-                event = recv_monitor_message(mon, NOBLOCK)
-            except zmq.Again:
-                break
-            if event["event"] == zmq.EVENT_DISCONNECTED and (w.up or w.probing):
-                self.mark_down(w, "connection dropped")
-            elif event["event"] == zmq.EVENT_CONNECTED:
-                w.next_health = now  # ping at the next tick: rejoin fast
+        w.peer.watch()
+
+    def _connected(self, w: WorkerConn) -> None:
+        w.next_health = 0.0  # ping at the next tick: rejoin fast
+
+    def _dropped(self, w: WorkerConn) -> None:
+        if w.up or w.probing:
+            self.mark_down(w, "connection dropped")
 
     def mark_down(self, w: WorkerConn, reason: str) -> None:
         """Down: internal calls fail, then the listener fails client requests."""
@@ -340,25 +333,31 @@ class Pool:
         w.ping_sent = w.stats_sent = 0.0
         w.stats = {}
         w.downs += was_up
-        for gid in [g for g in w.inflight if g in self.calls]:
-            self.answer_call(gid, _unavailable(gid, w, reason), [])
+        w.peer.fail_all(functools.partial(_lost, w.name, reason))
         if was_up:
             _log.warning("worker_down", worker=w.name, reason=reason)
         self.listener.worker_down(w, reason)
 
     def close(self) -> None:
         for w in self.workers.values():
-            if w.monitor is not None:
-                w.sock.disable_monitor()
-                w.monitor.close(linger=0)
-            w.sock.close(linger=0)
+            w.peer.close()
 
 
-def readable(sock: zmq.Socket[Any]) -> bool:
-    """A message waits (cheaper than a ``recv`` that raises ``zmq.Again``)."""
-    events = sock.getsockopt(EVENTS)
-    return isinstance(events, int) and bool(events & POLLIN)
+def _lost(name: str, reason: str, op: str) -> Fault:
+    return WorkerUnavailable(f"worker {name} is unavailable: {reason}")
 
 
-def _unavailable(gid: int, w: WorkerConn, reason: str) -> dict[str, Any]:
-    return error_reply(gid, "worker_unavailable", f"worker {w.name} is unavailable: {reason}")
+def _answer(
+    w: WorkerConn, on_reply: OnReply | None, header: dict[str, Any], frames: list[zmq.Frame]
+) -> None:
+    """An internal call's reply to its callback; a callback's bug is logged, not raised
+    into the loop."""
+    if on_reply is not None:
+        try:
+            on_reply(header, frames)
+        except Exception:
+            _log.exception("call_callback_failed", worker=w.name)
+
+
+def _garbage(w: WorkerConn, error: str) -> None:
+    _log.error("worker_reply_undecodable", worker=w.name, error=error)

@@ -28,7 +28,6 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import msgpack
 import zmq
 
 from edge import EdgeServer, Handler, Outgoing, Request, failure_header, logs
@@ -50,7 +49,7 @@ from .ledger import Inflight, Ledger
 from .metrics import GatewayMetrics
 from .ops import SPEECH_OPS, OpTable, sessions_of
 from .placement import Placer
-from .pool import LLM, NOBLOCK, Pool, WorkerConn
+from .pool import LLM, Pool, WorkerConn
 from .relay import Relay
 from .router import PrefixIndex, Router
 from .views import gateway_info, gateway_stats, gateway_status
@@ -149,15 +148,15 @@ class GatewayService:
                 w = self.pool.by_socket.get(sock)
                 if w is None:
                     continue
-                if sock is w.sock:
+                if sock is w.peer.sock:
                     self._recv(w, now)
                 else:
-                    self.pool.monitor_events(w, now)
+                    self.pool.monitor_events(w)
             if self.relay is not None:
                 self.relay.flush()
         if now >= self._next_tick:
             self._next_tick = now + TICK_S
-            self.pool.poll_monitors(now)  # (also seen through the poller; a cheap backstop)
+            self.pool.poll_monitors()  # (also seen through the poller; a cheap backstop)
             self.pool.tick(now)
             self.drainer.poll()
             if self.metrics is not None:
@@ -211,51 +210,39 @@ class GatewayService:
     # -- worker -> client (the hot path) -----------------------------------------------
 
     def _recv(self, w: WorkerConn, now: float) -> None:
-        """Up to ``RECV_BATCH`` replies from ``w``, each mapped to its client:
-        decode the header, put the client's id back, send it on with the
-        received buffer frames (``gateway/relay.py``)."""
-        sock = w.sock
-        relay = self.relay
-        for _ in range(RECV_BATCH):
-            try:  # until empty: a failed recv (~8 us) beats a ZMQ_EVENTS check per message (~4 us)
-                first = sock.recv(NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            buffers: list[zmq.Frame] = []
-            more = first.more
-            while more:
-                frame = sock.recv(NOBLOCK, copy=False)
-                buffers.append(frame)
-                more = frame.more
+        """Up to ``RECV_BATCH`` replies from ``w``: the pool's internal calls
+        go to their callbacks, the rest to ``worker_reply``."""
+        if w.peer.read(RECV_BATCH):
             w.last_seen = now
-            try:
-                # A worker is a trusted peer: no size or depth caps on its headers.
-                header = msgpack.unpackb(first.bytes, raw=False, strict_map_key=False)
-                gid = header.get("id")
-            except Exception as exc:
-                _log.error("worker_reply_undecodable", worker=w.name, error=str(exc))
-                continue
-            rec = self.ledger.get(gid) if type(gid) is int else None
-            if rec is None:
-                if type(gid) is int and not self.pool.answer_call(gid, header, buffers):
-                    _log.debug("stale_reply", worker=w.name, id=gid)
-                continue
-            ok = header.get("ok") is True
-            if not ok and rec.retry is not None and self._reroute(w, rec, header):
-                continue
-            if rec.placed and ok:
-                self.ledger.confirm(rec)
-            if not ok or "event" not in header or header.get("done"):
-                self.ledger.finish(rec, ok)
-            if rec.peer is None:
-                continue
-            header["id"] = rec.client_id
-            if relay is not None:
-                relay.send(rec.peer, header, buffers)
-            else:
-                self._out.append(Outgoing(rec.peer, header, buffers))
-            if self.metrics is not None:
-                self.metrics.to_client(len(first), buffers)
+
+    def worker_reply(
+        self, w: WorkerConn, header: dict[str, Any], buffers: list[zmq.Frame], size: int
+    ) -> None:
+        """A reply to a forwarded client request, mapped to its client: put
+        the client's id back and send it on with the received buffer frames
+        (``gateway/relay.py``)."""
+        gid = header.get("id")
+        rec = self.ledger.get(gid) if type(gid) is int else None
+        if rec is None:
+            if type(gid) is int:
+                _log.debug("stale_reply", worker=w.name, id=gid)
+            return
+        ok = header.get("ok") is True
+        if not ok and rec.retry is not None and self._reroute(w, rec, header):
+            return
+        if rec.placed and ok:
+            self.ledger.confirm(rec)
+        if not ok or "event" not in header or header.get("done"):
+            self.ledger.finish(rec, ok)
+        if rec.peer is None:
+            return
+        header["id"] = rec.client_id
+        if self.relay is not None:
+            self.relay.send(rec.peer, header, buffers)
+        else:
+            self._out.append(Outgoing(rec.peer, header, buffers))
+        if self.metrics is not None:
+            self.metrics.to_client(size, buffers)
 
     def _reroute(self, w: WorkerConn, rec: Inflight, header: dict[str, Any]) -> bool:
         """A worker refused new work because it is shutting down (nothing ran):
@@ -310,7 +297,7 @@ class GatewayService:
         except _NotSent:
             # Its connection just went (ZMQ_IMMEDIATE refused the send): let the
             # monitor say so, and give new work one more choice among the others.
-            self.pool.monitor_events(worker, time.monotonic())
+            self.pool.monitor_events(worker)
             if not chosen:
                 raise
             worker, placed, _ = self.placer.place(req, sessions, exclude=worker)

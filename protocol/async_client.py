@@ -28,19 +28,10 @@ class AsyncClient(_Ops):
         timeout_ms: int = 120_000,
         context: zmq.asyncio.Context | None = None,
         options: sockets.SocketOptions | None = None,
-        monitor: bool = False,
         curve: sockets.Curve | None = None,
     ) -> None:
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = sockets.dealer(self._ctx, endpoint, _options(options, curve), connect=False)
-        # With ``monitor``, connect / disconnect events arrive on ``self.monitor``
-        # (set up before connecting, so the first connection is not missed).
-        self.monitor: zmq.asyncio.Socket | None = None
-        if monitor:
-            self.monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-            )
-        self._sock.connect(endpoint)
+        self._sock = sockets.dealer(self._ctx, endpoint, _options(options, curve))
         self.timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[Reply]] = {}
@@ -49,9 +40,6 @@ class AsyncClient(_Ops):
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        if self.monitor is not None:
-            self._sock.disable_monitor()
-            self.monitor.close(linger=0)
         self._sock.close(linger=0)
 
     def forget(self, req_id: int) -> None:

@@ -19,17 +19,34 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from faults import Fault
+
 from . import codec, envelope, frames, sockets
 
 
 class SkiffError(Exception):
-    """An error reply from a worker, or a client-side failure (``timeout``)."""
+    """An error reply from a worker, or a client-side failure (``timeout``).
 
-    def __init__(self, code: str, message: str, retry_after_ms: int | None = None) -> None:
+    ``code`` is the wire code (a string to branch on); ``fault`` is the reply's
+    typed class from ``envelope.fault_of`` (``except`` on it, or ``isinstance``
+    against ``faults``), None for the client's own failures."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        retry_after_ms: int | None = None,
+        fault: Fault | None = None,
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms
+        self.fault = fault
+
+    @classmethod
+    def of(cls, fault: Fault) -> SkiffError:
+        return cls(envelope.wire_code(fault), fault.message, fault.retry_after_ms, fault)
 
 
 @dataclass
@@ -57,12 +74,7 @@ class Reply:
 
     def raise_for_error(self) -> Reply:
         if not self.header.get("ok", False):
-            err = self.header.get("error") or {}
-            raise SkiffError(
-                str(err.get("code", "internal")),
-                str(err.get("message", "")),
-                err.get("retry_after_ms"),
-            )
+            raise SkiffError.of(envelope.fault_of(self.header))
         return self
 
 

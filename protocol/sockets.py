@@ -112,6 +112,16 @@ class SocketOptions:
     linger_ms: int = 0
     curve: Curve | None = None  # None = plain (NULL mechanism)
     routing_id: bytes | None = None  # a DEALER's identity at the ROUTER; None = random
+    # A DEALER toward one peer (protocol/peer.py) that must not queue work for
+    # a peer that is not there: ``immediate`` (ZMQ_IMMEDIATE) makes a send with
+    # no finished connection fail (EAGAIN) instead of queueing.
+    immediate: bool = False
+    # ZMTP heartbeats: the peer's I/O thread answers them even while its loop is
+    # busy, so only a gone or unreachable peer misses ``heartbeat_timeout_ms``
+    # and has its connection dropped. 0 = none.
+    heartbeat_ms: int = 0
+    heartbeat_timeout_ms: int = 0
+    reconnect_max_ms: int = 0  # backoff cap between reconnect attempts; 0 = libzmq's default
 
 
 def _apply(sock: zmq.Socket[Any], opts: SocketOptions) -> None:
@@ -121,6 +131,15 @@ def _apply(sock: zmq.Socket[Any], opts: SocketOptions) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes)
     if opts.routing_id is not None:
         sock.setsockopt(zmq.ROUTING_ID, opts.routing_id)
+    # These apply to connections made after they are set (dealer(connect=False)).
+    if opts.immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+    if opts.reconnect_max_ms:
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, opts.reconnect_max_ms)
+    if opts.heartbeat_ms:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, opts.heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.heartbeat_timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(opts.heartbeat_timeout_ms, 6_553_500))
 
 
 def curve_server(sock: zmq.Socket[Any], curve: Curve) -> None:

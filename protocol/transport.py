@@ -1,8 +1,9 @@
 """Sending one message without blocking: the one copy every process uses.
 
 The worker's edge (replies to ROUTER peers), the gateway's relay (replies to
-its clients), its pool (requests to workers) and a stage's link (forwards to
-the next stage) all send the same shape: an optional routing frame, the
+its clients) and every ``DealerPeer`` (``protocol/peer.py``: the gateway's
+requests to workers, a stage's forwards to the next stage, the HTTP front's
+requests) all send the same shape: an optional routing frame, the
 encoded header, then buffers passed as they are (``copy=False``: tensors
 and audio leave without a copy). None of them may block the loop that
 sends, so a peer that cannot take a message is an answer, not a wait:

@@ -13,7 +13,7 @@ from gateway.pool import LLM, WorkerConn
 
 
 def _worker(name: str, idle: int) -> WorkerConn:
-    w = WorkerConn(name=name, kind=LLM, sock=cast(Any, None), up=True)
+    w = WorkerConn(name=name, kind=LLM, peer=cast(Any, None), up=True)
     w.mark_stats_sent(0.0)
     w.apply_stats({"lanes": {"total": 4, "idle": idle}, "running": 0, "queued": 0})
     return w

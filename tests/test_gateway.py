@@ -171,7 +171,7 @@ def test_affinity_assign_confirm_drop_and_rebuild() -> None:
 
 
 def test_candidate_adds_gateway_traffic_to_the_last_stats() -> None:
-    w = WorkerConn("w", "llm", sock=None)  # type: ignore[arg-type]
+    w = WorkerConn("w", "llm", peer=None)  # type: ignore[arg-type]
     w.mark_stats_sent(0.0)
     w.sent_work = 2  # sent after the stats request: not in the snapshot
     w.apply_stats({"lanes": {"total": 4, "active": 1, "idle": 3}, "running": 1, "queued": 0})

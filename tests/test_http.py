@@ -30,11 +30,12 @@ import zmq
 from openai.types.chat import ChatCompletionMessageParam
 
 from conftest import WAIT_S, wait_until
-from gateway.openai.errors import ApiError, from_skiff
+from gateway.openai.errors import ApiError, from_fault
 from gateway.openai.http import HttpFront
 from gateway.openai.media import speech_args
 from gateway.openai.shapes import plan_chat, plan_completion
-from protocol import Client, SkiffError, codec
+from protocol import Client, codec
+from protocol.envelope import error_reply, fault_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
@@ -525,6 +526,6 @@ def test_audio_speech_wav_and_pcm(speech_front: HttpFront) -> None:
 def test_skiff_codes_map_to_http_status_and_retry_after(
     code: str, retry_ms: int | None, status: int, retry_after: str | None
 ) -> None:
-    err = from_skiff(SkiffError(code, "x", retry_ms))
+    err = from_fault(fault_of(error_reply(1, code, "x", retry_ms)))
     assert err.status == status
     assert err.headers().get("Retry-After") == retry_after

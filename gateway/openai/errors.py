@@ -15,10 +15,10 @@ import math
 import re
 from typing import Any
 
-from faults import ErrorCode
-from protocol import SkiffError
+from faults import ErrorCode, Fault
+from protocol.envelope import wire_code
 
-# The client-side code protocol.AsyncClient raises when no reply came in time.
+# The code of the upstream's own timeout (no reply came in time): not a skiff code.
 TIMEOUT = "timeout"
 
 _BY_CODE: dict[str, tuple[int, str]] = {
@@ -120,22 +120,32 @@ def unavailable(message: str) -> ApiError:
     )
 
 
-def from_skiff(exc: SkiffError) -> ApiError:
-    """The HTTP error for a skiff error reply (or the client's own timeout)."""
-    status, type_ = _BY_CODE.get(exc.code, (500, "server_error"))
-    if exc.code == ErrorCode.LIMIT_EXCEEDED and exc.retry_after_ms is not None:
+def from_fault(fault: Fault) -> ApiError:
+    """The HTTP error for a skiff fault: an error reply (``envelope.fault_of``)
+    or the upstream lost (``upstream.py``)."""
+    return _from_code(wire_code(fault), fault.message, fault.retry_after_ms)
+
+
+def timed_out(message: str) -> ApiError:
+    """504: the upstream's reply did not come in time."""
+    return _from_code(TIMEOUT, message, None)
+
+
+def _from_code(code: str, message: str, retry_after_ms: int | None) -> ApiError:
+    status, type_ = _BY_CODE.get(code, (500, "server_error"))
+    if code == ErrorCode.LIMIT_EXCEEDED and retry_after_ms is not None:
         status, type_ = 429, "rate_limit_error"  # a per-client quota, not a bad request
     retry = None
-    if status == 429 or (status == 503 and exc.retry_after_ms is not None):
+    if status == 429 or (status == 503 and retry_after_ms is not None):
         # whole seconds, at least 1: Retry-After has no fractions
-        retry = max(1, math.ceil((exc.retry_after_ms or 1000) / 1000))
+        retry = max(1, math.ceil((retry_after_ms or 1000) / 1000))
     param = None
     if status == 400:
-        match = _FIELD.match(exc.message)
+        match = _FIELD.match(message)
         param = _PARAM_OF.get(match.group(1)) if match else None
-        if exc.message.startswith("chat template") or exc.message.startswith("messages"):
+        if message.startswith("chat template") or message.startswith("messages"):
             param = "messages"
-    message = exc.message or exc.code
-    if exc.code == TIMEOUT:
-        message = f"the upstream did not answer in time ({message})"
-    return ApiError(status, message, type_=type_, param=param, code=exc.code, retry_after_s=retry)
+    text = message or code
+    if code == TIMEOUT:
+        text = f"the upstream did not answer in time ({text})"
+    return ApiError(status, text, type_=type_, param=param, code=code, retry_after_s=retry)

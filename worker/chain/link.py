@@ -9,29 +9,30 @@ many are in flight), collecting replies as they come; ``trim``/``drop``
 and ``info`` wait for their answers, keeping any forward that lands
 meanwhile.
 
-A dead next stage is noticed at once rather than by timeout: the socket is
+The socket, request ids, deadlines and the watch on the connection are a
+``protocol.peer.DealerPeer``; this module keeps the stage's policy. A dead
+next stage is noticed at once rather than by timeout: the socket is
 ``ZMQ_IMMEDIATE`` (a send with no live connection fails instead of
-queueing) and a socket monitor reports the connection dropping while we
-wait. Either ends every outstanding request with ``stage_unavailable``;
-once the stage is back ZeroMQ reconnects by itself and chain work resumes.
+queueing) and the peer's monitor reports the connection dropping while we
+wait. Either ends every outstanding request with ``stage_unavailable``, as
+does a request past its deadline; once the stage is back ZeroMQ reconnects
+by itself and chain work resumes.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 import os
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zmq
 from structlog import get_logger
-from zmq.utils.monitor import recv_monitor_message
 
-from faults import BadRequest, Fault, SessionNotActive, StageUnavailable, from_code
+from faults import BadRequest, Fault, SessionNotActive, StageUnavailable
 from protocol import codec, frames, sockets, transport
-from protocol.envelope import request
+from protocol.envelope import fault_of, request
+from protocol.peer import DealerPeer, NotSent
 
 from ..runtime import Origin, wire
 from ..runtime.tail import Landed, TailResult, TailStep
@@ -39,6 +40,7 @@ from ..runtime.tail import Landed, TailResult, TailStep
 _log = get_logger("skiff.stage")
 _SESSION_OP_MS = 5_000  # trim / drop downstream: no forward, answered within a turn
 _STATE_MS = 60_000  # export / import of a session's KV downstream (megabytes)
+Answer = tuple[dict[str, Any], list[memoryview]]  # a plain call's reply: header, buffers
 
 
 class StageLink:
@@ -68,35 +70,31 @@ class StageLink:
         self.timeout_ms = timeout_ms
         self._ctx = context or zmq.Context.instance()
         # frames from the next stage are capped as a worker caps its peers'
-        opts = sockets.SocketOptions(curve=curve)
-        self._sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, opts, connect=False)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self.peer = DealerPeer(
+            self._ctx,
+            endpoint,
+            sockets.SocketOptions(curve=curve, immediate=True),
+            gone=lambda op: StageUnavailable(f"the next stage ({endpoint}) went away during {op}"),
+            late=lambda op: StageUnavailable(f"the next stage ({endpoint}) did not answer {op}"),
+        )
         self._landed: dict[int, Landed] = {}  # forwards home, not yet polled
-        self._answers: dict[
-            int, Fault | tuple[dict[str, Any], list[memoryview]]
-        ] = {}  # plain calls home, not yet taken
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-        self.connected = False
-        self._sock.connect(endpoint)
+        self._answers: dict[int, Answer] = {}  # plain calls home, not yet taken
+
+    @property
+    def connected(self) -> bool:
+        return self.peer.connected
 
     def close(self) -> None:
         if self._direct is not None:
             self._direct.close(linger=0)
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self.peer.close()
 
     # -- the Tail protocol ---------------------------------------------------------
 
     def send(self, steps: list[TailStep], hidden: np.ndarray) -> int:
         if not self._direct_known:
             self._setup_direct()
-        req_id = next(self._ids)
+        req_id = self.peer.next_id()
         direct = self._direct.getsockopt(zmq.ROUTING_ID) if self._direct is not None else None
         if isinstance(direct, bytes):
             # answered by the last stage straight to our direct socket
@@ -116,13 +114,13 @@ class StageLink:
 
     def poll(self, timeout_ms: int) -> dict[int, Landed]:
         if not self._landed:
-            self._pump(timeout_ms)
+            self.peer.pump(timeout_ms)
         landed, self._landed = self._landed, {}
         return landed
 
     @property
     def in_flight(self) -> int:
-        return sum(1 for p in self._pending.values() if p.steps is not None)
+        return sum(1 for p in self.peer.pending.values() if p.op == "forward_frame")
 
     def session_op(self, op: str, session: str, token_count: int = 0) -> None:
         args = {"token_count": token_count} if op == "trim" else None
@@ -179,15 +177,14 @@ class StageLink:
         args: dict[str, Any] | None,
         buffers: list[Any],
         timeout_ms: int,
-    ) -> tuple[dict[str, Any], list[memoryview]]:
+    ) -> Answer:
         req_id = self._send(op, session, args, buffers, timeout_ms, None)
         while req_id not in self._answers:
-            self._pump(timeout_ms)
+            self.peer.pump(timeout_ms)
         answer = self._answers.pop(req_id)
         if isinstance(answer, Fault):
             raise answer
-        header, reply_buffers = answer
-        return header, reply_buffers
+        return answer
 
     def _send(
         self,
@@ -199,65 +196,52 @@ class StageLink:
         steps: int | None,
         req_id: int | None = None,
     ) -> int:
-        self._drain_monitor()
-        if not self.connected:
+        self.peer.watch()
+        if not self.peer.connected:
             # not yet connected, or the connection dropped: fail at once
             # rather than queue work a dead stage would never answer
             raise StageUnavailable(f"the next stage ({self.endpoint}) is not connected")
-        req_id = next(self._ids) if req_id is None else req_id
-        header = request(req_id, op, session, args)
-        reason = transport.send(self._sock, codec.encode(header), buffers)
-        if reason == transport.NOT_RECEIVING:  # IMMEDIATE: no finished connection (or handshake)
-            raise StageUnavailable(f"the next stage ({self.endpoint}) is not connected")
-        if reason is not None:
-            raise StageUnavailable(f"the next stage ({self.endpoint}) cannot take it: {reason}")
-        self._pending[req_id] = _Pending(op, steps, time.monotonic() + timeout_ms / 1000)
+        req_id = self.peer.next_id() if req_id is None else req_id
+        try:
+            self.peer.request(
+                op,
+                session,
+                args,
+                buffers,
+                on_reply=functools.partial(self._home, req_id, steps),
+                on_fail=functools.partial(self._land, req_id, steps),
+                timeout_s=timeout_ms / 1000,
+                req_id=req_id,
+            )
+        except NotSent as exc:
+            why = f"cannot take it: {exc.reason}"
+            if exc.reason == transport.NOT_RECEIVING:  # IMMEDIATE: no finished connection
+                why = "is not connected"
+            raise StageUnavailable(f"the next stage ({self.endpoint}) {why}") from None
         return req_id
 
-    def _pump(self, timeout_ms: int) -> None:
-        """Take in what has arrived, waiting up to ``timeout_ms`` for the first
-        message; requests past their deadline or cut off by a dropped link
-        land as ``stage_unavailable``."""
-        now = time.monotonic()
-        for req_id, p in list(self._pending.items()):
-            if p.deadline <= now:
-                self._land(
-                    req_id,
-                    StageUnavailable(f"the next stage ({self.endpoint}) did not answer {p.op}"),
-                )
-        if self._drain_monitor():
-            self._fail_all(f"the next stage ({self.endpoint}) went away")
-            return
-        if not self._pending:
-            return
-        wait = min(
-            timeout_ms,
-            max(0, int((min(p.deadline for p in self._pending.values()) - now) * 1000) + 1),
-        )
-        ready = dict(self._poller.poll(wait))
-        if self._monitor in ready and self._drain_monitor():
-            self._fail_all(f"the next stage ({self.endpoint}) went away")
-            return
-        for sock in (self._sock, self._direct):
-            while sock is not None and sock.poll(0):
-                msg = sock.recv_multipart(copy=False)
-                reply = codec.decode(msg[0].buffer, max_bytes=1 << 30)
-                got = reply.get("id") if isinstance(reply, dict) else None
-                if not isinstance(got, int) or got not in self._pending:
-                    continue  # a late reply (or acknowledgement) of a request gone home
-                outcome = self._outcome(reply, [f.buffer for f in msg[1:]], got)
-                if outcome is not _ACK:
-                    self._land(got, outcome)
+    def _home(
+        self, req_id: int, steps: int | None, reply: dict[str, Any], msg: list[zmq.Frame]
+    ) -> bool:
+        """A reply: its outcome lands, unless it acknowledges a forward whose
+        result comes on the direct socket (True: keep waiting)."""
+        outcome = self._outcome(reply, [f.buffer for f in msg], steps)
+        if outcome is _ACK:
+            return True
+        self._land(req_id, steps, outcome)
+        return False
+
+    def _land(self, req_id: int, steps: int | None, outcome: Any) -> None:
+        if steps is None:
+            self._answers[req_id] = outcome
+        else:
+            self._landed[req_id] = outcome
 
     def _outcome(
-        self, reply: dict[str, Any], buffers: list[memoryview], req_id: int
-    ) -> Fault | tuple[dict[str, Any], list[memoryview]] | list[TailResult] | object:
+        self, reply: dict[str, Any], buffers: list[memoryview], steps: int | None
+    ) -> Fault | Answer | list[TailResult] | object:
         if not reply.get("ok"):
-            err = reply.get("error") or {}
-            cls = from_code(str(err.get("code", "internal")))
-            message = f"next stage: {err.get('message', '')}"
-            return (cls if issubclass(cls, Fault) else BadRequest)(message)
-        steps = self._pending[req_id].steps
+            return fault_of(reply, "next stage: ")
         if steps is None:
             return reply, buffers
         items = (reply.get("result") or {}).get("results")
@@ -299,41 +283,11 @@ class StageLink:
         sock.recv_multipart()
         self._direct = sock
         self.direct_endpoint = endpoint
-        self._poller.register(sock, zmq.POLLIN)
+        self.peer.also(sock)
         _log.info("stage_direct_return", last_stage=endpoint)
-
-    def _land(self, req_id: int, outcome: Any) -> None:
-        p = self._pending.pop(req_id)
-        if p.steps is None:
-            self._answers[req_id] = outcome
-        else:
-            self._landed[req_id] = outcome
-
-    def _fail_all(self, why: str) -> None:
-        for req_id, p in list(self._pending.items()):
-            self._land(req_id, StageUnavailable(f"{why} during {p.op}"))
-
-    def _drain_monitor(self) -> bool:
-        """Read pending connection events; True when the link dropped."""
-        dropped = False
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                dropped = True
-                self.connected = False
-            elif event["event"] == zmq.EVENT_CONNECTED:
-                self.connected = True
-        return dropped
 
 
 _ACK = object()  # a forward's acknowledgement: its result comes on the direct socket
-
-
-@dataclass(slots=True)
-class _Pending:
-    op: str
-    steps: int | None  # a forward's step count; None for a plain call
-    deadline: float
 
 
 def _results(reply: dict[str, Any], buffers: list[memoryview], steps: int) -> list[TailResult]:
