@@ -46,7 +46,7 @@ from faults import (
     UnsupportedVersion,
     code_of,
 )
-from protocol import codec, sockets, transport
+from protocol import sockets, transport
 from protocol.envelope import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
 
 from . import logs, zap
@@ -76,7 +76,7 @@ class _Undecodable(BadRequest):
 @dataclass(frozen=True)
 class EdgeConfig:
     bind: str
-    max_header_bytes: int = codec.DEFAULT_MAX_HEADER_BYTES
+    max_header_bytes: int = transport.DEFAULT_MAX_HEADER_BYTES
     socket: sockets.SocketOptions = field(default_factory=sockets.SocketOptions)
     drain_max: int = 256  # messages handled per pass before the service gets a turn
     idle_poll_ms: int = 100
@@ -279,12 +279,12 @@ class EdgeServer:
 
     def _decode(self, frame: zmq.Frame) -> dict[str, Any]:
         try:
-            return codec.decode(frame.buffer, self.cfg.max_header_bytes)
-        except codec.HeaderTooLarge as exc:
+            return transport.decode(frame.buffer, self.cfg.max_header_bytes)
+        except transport.HeaderTooLarge as exc:
             raise PayloadTooLarge(str(exc)) from None
-        except codec.TooDeep as exc:
+        except transport.TooDeep as exc:
             raise _Undecodable(str(exc), exc.req_id) from None
-        except codec.CodecError as exc:
+        except transport.CodecError as exc:
             raise BadRequest(str(exc)) from None
 
     def _envelope(
@@ -355,10 +355,10 @@ class EdgeServer:
         """Send one message without blocking; the reason it could not be, or None."""
         sock = self.sock
         try:
-            payload = codec.encode(msg.header)  # before the first frame: never half a message
+            payload = transport.encode(msg.header)  # before the first frame: never half a message
         except Exception as exc:
             _log.error("reply_unencodable", error=f"{type(exc).__name__}: {exc}")
-            payload = codec.encode(failure_header(msg.header.get("id"), exc))
+            payload = transport.encode(failure_header(msg.header.get("id"), exc))
         reason = transport.send(sock, payload, msg.buffers, route=msg.peer)
         if transport.failed(reason):
             _log.error("send_failed", error=reason)

@@ -53,7 +53,7 @@ import zmq
 
 from edge import logs
 from faults import Fault, WorkerUnavailable
-from protocol import codec, sockets, transport
+from protocol import sockets, transport
 from protocol.envelope import error_reply
 from protocol.peer import DealerPeer, NotSent
 
@@ -209,7 +209,7 @@ class Pool:
         """Send ``[header, *buffers]`` without blocking or copying buffers; the
         bytes sent, or 0 when the worker has no live connection or its queue
         is full."""
-        payload = codec.encode(header)
+        payload = transport.encode(header)
         reason = worker.peer.send(payload, buffers)
         if reason is None:
             return len(payload) + sum(len(b) for b in buffers)

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from faults import Fault
 
-from . import codec, envelope, frames, sockets
+from . import envelope, frames, sockets, transport
 
 
 class SkiffError(Exception):
@@ -88,11 +88,11 @@ def _options(
 
 
 def _frames(header: dict[str, Any], buffers: Sequence[Any]) -> list[Any]:
-    return [codec.encode(header), *buffers]
+    return [transport.encode(header), *buffers]
 
 
 def _parse(frames: list[zmq.Frame]) -> Reply:
-    header = codec.decode(frames[0].buffer, max_bytes=1 << 30)
+    header = transport.decode(frames[0].buffer, max_bytes=1 << 30)
     return Reply(header, [f.buffer for f in frames[1:]])
 
 

@@ -46,7 +46,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from faults import DeadlineExceeded, Fault
 
-from . import codec, sockets, transport
+from . import sockets, transport
 from .envelope import request
 
 # Plain ints: combining zmq's enum flags per message costs a microsecond or two.
@@ -177,7 +177,7 @@ class DealerPeer:
         """Send a request nobody waits for (its reply is dropped); its id.
         Raises ``NotSent`` when the socket refuses it."""
         req_id = self.next_id() if req_id is None else req_id
-        reason = self.send(codec.encode(request(req_id, op, session, args)), buffers)
+        reason = self.send(transport.encode(request(req_id, op, session, args)), buffers)
         if reason is not None:
             raise NotSent(req_id, reason)
         return req_id
@@ -238,9 +238,9 @@ class DealerPeer:
             if self.max_header_bytes is None:
                 header = msgpack.unpackb(first.buffer, raw=False, strict_map_key=False)
                 if not isinstance(header, dict):
-                    raise codec.CodecError(f"header must be a map, got {type(header).__name__}")
+                    raise transport.CodecError(f"header must be a map, got {type(header).__name__}")
             else:
-                header = codec.decode(first.buffer, max_bytes=self.max_header_bytes)
+                header = transport.decode(first.buffer, max_bytes=self.max_header_bytes)
         except Exception as exc:  # a broken reply must not stop the reading
             if self.on_garbage is not None:
                 self.on_garbage(str(exc))

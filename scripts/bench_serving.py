@@ -252,7 +252,7 @@ PINGER = r"""
 import itertools, json, sys, threading, time
 sys.path.insert(0, sys.argv[3])
 import zmq
-from protocol import codec, envelope
+from protocol import transport, envelope
 ep, interval = sys.argv[1], float(sys.argv[2])
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
@@ -263,9 +263,9 @@ ids = itertools.count(1)
 def once():
     rid = next(ids)
     t = time.perf_counter()
-    sock.send(codec.encode(envelope.request(rid, "ping")))
+    sock.send(transport.encode(envelope.request(rid, "ping")))
     while sock.poll(max(0, int(10000 - (time.perf_counter() - t) * 1e3))):
-        if codec.decode(sock.recv_multipart()[0]).get("id") == rid:  # skip late replies
+        if transport.decode(sock.recv_multipart()[0]).get("id") == rid:  # skip late replies
             return time.perf_counter() - t
     return None
 for _ in range(20):

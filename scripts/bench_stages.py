@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from protocol import Client, codec, frames  # noqa: E402
+from protocol import Client, frames, transport  # noqa: E402
 
 PROMPTS = [
     f"Story {i}: once upon a time in a village by the {w}, there lived"
@@ -134,7 +134,7 @@ def wire_bytes_per_token(n_embd: int, dtype: str) -> int:
             ],
         },
     }
-    return len(codec.encode(header)) + rows.nbytes
+    return len(transport.encode(header)) + rows.nbytes
 
 
 def main() -> None:

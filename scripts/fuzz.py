@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from fuzzcases import Case, Generator, Target  # noqa: E402
 
 from faults import ErrorCode  # noqa: E402
-from protocol import codec, sockets  # noqa: E402
+from protocol import sockets, transport  # noqa: E402
 
 CODES = {c.value for c in ErrorCode}
 CONTROL_IDS = 1 << 50  # the fuzzer's own ping / stats / drop: far from every case id
@@ -171,8 +171,8 @@ class Conn:
     def take(self, frames: list[zmq.Frame]) -> None:
         t = self.tally
         try:
-            header = codec.decode(frames[0].buffer, max_bytes=1 << 30)
-        except codec.CodecError as exc:
+            header = transport.decode(frames[0].buffer, max_bytes=1 << 30)
+        except transport.CodecError as exc:
             t.bad_replies.append(f"undecodable reply: {exc}")
             return
         rid, ok = header.get("id"), header.get("ok")
@@ -275,7 +275,7 @@ class Conn:
             header["args"] = args
         slot: dict[str, Any] = {}
         self.pending[rid] = Pending(1, time.monotonic() + timeout_s, op, slot)
-        self.sock.send(codec.encode(header))
+        self.sock.send(transport.encode(header))
         while rid in self.pending:
             self.pump(20)
             self.expire()

@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/fuzz_atheris.py -runs=20000 -max_total_time=60 [CORPUS_DIR ...]
 
-Each input is one request as the edge receives it: bytes -> ``codec.decode``
+Each input is one request as the edge receives it: bytes -> ``transport.decode``
 (size and depth caps) -> the envelope checks -> the op's handler from the
 worker's real op table (``worker.api.ops.OPS``,
 ``forward_frame`` included) or the speech worker's, over a fake model

@@ -38,7 +38,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from protocol import codec, frames
+from protocol import frames, transport
 
 NAN, INF = math.nan, math.inf
 EDGE_INTS: tuple[int, ...] = (
@@ -96,10 +96,10 @@ def reply_id(header: bytes, max_bytes: int) -> int | None:
     if len(header) > max_bytes:
         return None
     try:
-        decoded = codec.decode(header, max_bytes=max_bytes)
-    except codec.TooDeep as exc:
+        decoded = transport.decode(header, max_bytes=max_bytes)
+    except transport.TooDeep as exc:
         return exc.req_id
-    except codec.CodecError:
+    except transport.CodecError:
         return None
     raw = decoded.get("id")
     return raw if type(raw) is int else None

@@ -21,7 +21,7 @@ import zmq
 from conftest import WAIT_S, send_and_get_cut_off
 from edge.logs import safe_json
 from faults import ErrorCode
-from protocol import Client, SkiffError, codec
+from protocol import Client, SkiffError, transport
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -96,13 +96,13 @@ def test_deep_json_schema_is_bad_request(client: Client) -> None:
 
 def test_header_just_under_the_depth_cap_is_read() -> None:
     ok = {"v": 1, "id": 1, "op": "ping", "args": {"x": [[[[1]]]]}}
-    assert codec.decode(codec.encode(ok))["args"]["x"] == [[[[1]]]]
+    assert transport.decode(transport.encode(ok))["args"]["x"] == [[[[1]]]]
     deep: Any = 1
-    for _ in range(codec.MAX_DEPTH):
+    for _ in range(transport.MAX_DEPTH):
         deep = [deep]
-    with pytest.raises(codec.TooDeep):
-        codec.decode(codec.encode({"x": deep}))
-    assert codec.decode(codec.encode({"x": deep[0]}))  # exactly MAX_DEPTH levels
+    with pytest.raises(transport.TooDeep):
+        transport.decode(transport.encode({"x": deep}))
+    assert transport.decode(transport.encode({"x": deep[0]}))  # exactly MAX_DEPTH levels
 
 
 # -- envelope ------------------------------------------------------------------------

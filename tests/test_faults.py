@@ -24,7 +24,7 @@ import zmq
 
 from conftest import WAIT_S, start_worker, stop_worker, wait_until
 from protocol import Client, SkiffError, envelope
-from protocol.codec import encode
+from protocol.transport import encode
 
 ARGS = (
     *("--lanes", "4", "--ctx", "1024", "--ctx-per-lane", "512"),

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from faults import Fault
-from protocol import codec, frames
+from protocol import frames, transport
 from worker.api import validate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,8 +82,8 @@ def _fault_or(fn: Callable[[], Any]) -> Any:
 @PROPS
 @given(st.binary(max_size=300))
 def test_decode_of_any_bytes_is_a_map_or_a_codec_error(raw: bytes) -> None:
-    with contextlib.suppress(codec.CodecError):
-        assert isinstance(codec.decode(raw), dict)
+    with contextlib.suppress(transport.CodecError):
+        assert isinstance(transport.decode(raw), dict)
 
 
 @PROPS
@@ -91,9 +91,9 @@ def test_decode_of_any_bytes_is_a_map_or_a_codec_error(raw: bytes) -> None:
 def test_decode_of_any_msgpack_value_is_a_map_or_a_codec_error(value: Any) -> None:
     raw = msgpack.packb(value, use_bin_type=True)
     try:
-        decoded = codec.decode(raw)
-    except codec.CodecError:
-        assert not isinstance(value, dict) or _depth(value) > codec.MAX_DEPTH
+        decoded = transport.decode(raw)
+    except transport.CodecError:
+        assert not isinstance(value, dict) or _depth(value) > transport.MAX_DEPTH
         return
     assert isinstance(value, dict) and _same(decoded, value)
 
@@ -101,7 +101,7 @@ def test_decode_of_any_msgpack_value_is_a_map_or_a_codec_error(value: Any) -> No
 @FEW
 @given(st.dictionaries(st.text(max_size=8), VALUES, max_size=4))
 def test_encode_decode_round_trip(header: dict[str, Any]) -> None:
-    assert _same(codec.decode(codec.encode(header)), header)
+    assert _same(transport.decode(transport.encode(header)), header)
 
 
 @PROPS
@@ -112,24 +112,24 @@ def test_depth_cap_is_exact_and_keeps_an_integer_id(depth: int, lists: bool, rid
     leaf: Any = 0
     for _ in range(depth - 1):
         leaf = [leaf] if lists else {"k": leaf}
-    raw = codec.encode({"id": rid, "x": leaf} if depth > 1 else {"id": rid})
-    if depth <= codec.MAX_DEPTH:
-        assert codec.decode(raw)["id"] == rid
+    raw = transport.encode({"id": rid, "x": leaf} if depth > 1 else {"id": rid})
+    if depth <= transport.MAX_DEPTH:
+        assert transport.decode(raw)["id"] == rid
         return
-    with pytest.raises(codec.TooDeep) as err:
-        codec.decode(raw)
+    with pytest.raises(transport.TooDeep) as err:
+        transport.decode(raw)
     assert err.value.req_id == (rid if type(rid) is int else None)
 
 
 @PROPS
 @given(st.integers(0, 600), st.integers(1, 600))
 def test_size_cap_is_checked_before_parsing(size: int, cap: int) -> None:
-    raw = codec.encode({"pad": "x" * size})
+    raw = transport.encode({"pad": "x" * size})
     if len(raw) > cap:
-        with pytest.raises(codec.HeaderTooLarge):
-            codec.decode(raw, max_bytes=cap)
+        with pytest.raises(transport.HeaderTooLarge):
+            transport.decode(raw, max_bytes=cap)
     else:
-        assert codec.decode(raw, max_bytes=cap)["pad"] == "x" * size
+        assert transport.decode(raw, max_bytes=cap)["pad"] == "x" * size
 
 
 def _depth(value: Any) -> int:

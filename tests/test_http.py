@@ -34,7 +34,7 @@ from gateway.openai.errors import ApiError, from_fault
 from gateway.openai.http import HttpFront
 from gateway.openai.media import speech_args
 from gateway.openai.shapes import plan_chat, plan_completion
-from protocol import Client, codec
+from protocol import Client, transport
 from protocol.envelope import error_reply, fault_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,14 +306,14 @@ class FakeUpstream:
             if not self.sock.poll(50):
                 continue
             peer, raw = self.sock.recv_multipart()
-            req = codec.decode(raw)
+            req = transport.decode(raw)
             self.ops.append(req["op"])
             base = {"v": 1, "id": req["id"]}
             replies = [{"ok": True, "result": {"pong": True}}]
             if req["op"] != "ping":
                 replies = self.script(req)
             for reply in replies:
-                self.sock.send_multipart([peer, codec.encode({**base, **reply})])
+                self.sock.send_multipart([peer, transport.encode({**base, **reply})])
 
     def close(self) -> None:
         if self.running:

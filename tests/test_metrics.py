@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import ROOT, WAIT_S, start_worker, stop_worker
 from edge import EdgeConfig, EdgeServer, Outgoing, Request
 from edge.metrics import EdgeMetrics, new_registry, serve
-from protocol import Client, SkiffError, codec
+from protocol import Client, SkiffError, transport
 from protocol.envelope import error_reply, event_reply, ok_reply
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -220,7 +220,7 @@ def test_edge_server_reports_every_request(toy_server: tuple[str, int]) -> None:
         assert info.value.code == "unknown_op"
         c.send_raw([b"\xc1 not msgpack"])  # undecodable: answered with id null
         assert c.recv_any().header["error"]["code"] == "bad_request"
-        c.send_raw([codec.encode({"v": 2, "id": 9, "op": "ping"})])
+        c.send_raw([transport.encode({"v": 2, "id": 9, "op": "ping"})])
         assert c.recv(9).header["error"]["code"] == "unsupported_version"
     s = scrape(port)
     assert value(s, "skiff_requests_total", op="ping") == 2

@@ -19,7 +19,7 @@ import zmq
 
 from conftest import WAIT_S, wait_until
 from faults import DeadlineExceeded, Fault, QueueFull, StageUnavailable, WorkerUnavailable
-from protocol import codec, transport
+from protocol import transport
 from protocol.envelope import ForeignFault, error_reply, event_reply, fault_of, ok_reply, wire_code
 from protocol.peer import DealerPeer, NotSent
 from protocol.sockets import SocketOptions
@@ -75,11 +75,11 @@ def _request(router: zmq.Socket[Any]) -> tuple[bytes, dict[str, Any]]:
     """The next request the server got: the peer's route and the header."""
     assert router.poll(WAIT_MS), "no request reached the server"
     route, raw, *_ = router.recv_multipart()
-    return route, codec.decode(raw)
+    return route, transport.decode(raw)
 
 
 def _answer(router: zmq.Socket[Any], route: bytes, header: dict[str, Any], *bufs: bytes) -> None:
-    router.send_multipart([route, codec.encode(header), *bufs])
+    router.send_multipart([route, transport.encode(header), *bufs])
 
 
 def _until(peer: DealerPeer, cond: Any, what: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from conftest import WAIT_S, start_worker, stop_worker, wait_until
-from protocol import Client, SkiffError, codec, envelope
+from protocol import Client, SkiffError, envelope, transport
 
 PROMPT = "The history of the Roman Empire"
 WAIT_MS = int(WAIT_S * 1000)
@@ -149,12 +149,12 @@ def test_concurrent_decodes_from_two_peers_share_a_forward(worker: tuple[str, Pa
             b.prefill("cb", [2, 11])
             gen = {"prompt": " and", "max_tokens": ENDLESS, "ignore_eos": True}
             for rid, session in ((1, "ca"), (2, "cb")):
-                busy.send(codec.encode(envelope.request(rid, "generate", session, gen)))
+                busy.send(transport.encode(envelope.request(rid, "generate", session, gen)))
             streaming: set[int] = set()
 
             def read_busy() -> set[int]:  # the busy peer keeps reading its events
                 while busy.poll(0):
-                    header = codec.decode(busy.recv())
+                    header = transport.decode(busy.recv())
                     assert header["ok"], header
                     streaming.add(header["id"])
                 return streaming
@@ -300,7 +300,7 @@ def test_vanished_peer_frees_its_lane(small: tuple[str, int]) -> None:
     header = envelope.request(
         1, "generate", None, {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
     )
-    sock.send(codec.encode(header))
+    sock.send(transport.encode(header))
     assert sock.poll(WAIT_MS)
     sock.close(linger=0)  # gone mid-stream
     with Client(small[0], timeout_ms=WAIT_MS) as c:
@@ -315,7 +315,9 @@ def test_flood_of_1000_clients_keeps_memory_flat(small: tuple[str, int]) -> None
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 4096)
-    frame = codec.encode(envelope.request(1, "generate", None, {"prompt": "Hi", "max_tokens": 1}))
+    frame = transport.encode(
+        envelope.request(1, "generate", None, {"prompt": "Hi", "max_tokens": 1})
+    )
 
     def flood() -> None:
         socks = []

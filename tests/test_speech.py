@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import WAIT_S, send_and_get_cut_off, wait_until
-from protocol import Client, SkiffError, codec
+from protocol import Client, SkiffError, transport
 from protocol.client import Reply
 
 pytest.importorskip("piper")
@@ -312,12 +312,12 @@ def test_undecodable_header_gets_error_with_null_id(speech: Client) -> None:
     speech.send_raw([b"\xc1\xc1 not msgpack"])
     reply = speech.recv_any()
     assert reply.header["id"] is None and error_code(reply) == "bad_request"
-    speech.send_raw([codec.encode({"v": 1, "id": 1})[:-1]])  # truncated map
+    speech.send_raw([transport.encode({"v": 1, "id": 1})[:-1]])  # truncated map
     assert error_code(speech.recv_any()) == "bad_request"
 
 
 def test_wrong_version_and_unknown_op(speech: Client) -> None:
-    speech.send_raw([codec.encode({"v": 99, "id": 77, "op": "ping"})])
+    speech.send_raw([transport.encode({"v": 99, "id": 77, "op": "ping"})])
     assert error_code(speech.recv(77)) == "unsupported_version"
     with pytest.raises(SkiffError) as err:
         speech.call("speak", args={"text": "Hi."})

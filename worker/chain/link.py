@@ -30,7 +30,7 @@ import zmq
 from structlog import get_logger
 
 from faults import BadRequest, Fault, SessionNotActive, StageUnavailable
-from protocol import codec, frames, sockets, transport
+from protocol import frames, sockets, transport
 from protocol.envelope import fault_of, request
 from protocol.peer import DealerPeer, NotSent
 
@@ -275,7 +275,7 @@ class StageLink:
         routing_id = b"skiff-head-" + os.urandom(8).hex().encode()
         opts = sockets.SocketOptions(curve=curve, routing_id=routing_id)
         sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, opts)
-        sock.send(codec.encode(request(0, "ping", None, None)))
+        sock.send(transport.encode(request(0, "ping", None, None)))
         if not sock.poll(_SESSION_OP_MS):
             sock.close(linger=0)
             self._direct_known = False
