@@ -122,7 +122,7 @@ class FakeApp:
         try:
             from worker.api.validate import Context
 
-            self.context = Context(self.limits, self.n_vocab, self.grammars)
+            self.context = Context(self.limits, self.n_vocab, self.grammars, self.rt.ctx_per_lane)
             most = self.limits.max_request_tokens
             self.prompt_limit = most if most < self.rt.ctx_per_lane else 0
         except ImportError:  # a tree that reads requests field by field

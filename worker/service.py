@@ -70,7 +70,8 @@ class LlmService:
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
         # Every limit on what a peer controls; per-lane ones resolved to cells.
         self.limits = cfg.limits.resolved(self.rt.ctx_per_lane)
-        self.context = Context(self.limits, self.n_vocab, self.grammars)  # what field rules need
+        # what the field rules of api/validate.py need of this worker
+        self.context = Context(self.limits, self.n_vocab, self.grammars, self.rt.ctx_per_lane)
         most = self.limits.max_request_tokens
         self.prompt_limit = most if most < self.rt.ctx_per_lane else 0  # api.app.App
         # Keep room for a full row of decodes beside a prefill piece, so a

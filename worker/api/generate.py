@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from edge import Request
-from faults import BadRequest, ContextOverflow, Unsupported
+from faults import BadRequest, Unsupported
 from protocol.envelope import Op
 
 from ..core.jobs.generate import ChatJob, GenerateJob
@@ -26,7 +26,7 @@ from ..core.media_feed import MediaPrompt
 from ..core.speculative import Drafter, PromptLookup
 from ..limits import check
 from ..runtime import Ephemeral, SessionId
-from .app import App, Handler, _tokens
+from .app import App, Handler
 from .media import chat_media, check_markers, generate_prompt, projector_of
 from .requests import Generation, Speculation
 from .sampling import Sampling
@@ -36,10 +36,11 @@ from .validate import (
     Context,
     Field,
     Int,
+    PromptText,
+    PromptTokens,
     Stops,
     Str,
     Tokens,
-    get_str,
     outputs_of,
     read_fields,
 )
@@ -70,6 +71,8 @@ _SPECULATION: Final[dict[str, dict[str, Field]]] = {
 # What ``generate`` and ``chat`` may ask beside their prompt, in the order
 # the fields are checked (the first wrong one is the error).
 GENERATION: Final[dict[str, Field]] = {
+    "prompt": PromptText(),
+    "tokens": PromptTokens(),
     **OUTPUTS,
     "speculative": _Speculative(),
     "stop": Stops(),
@@ -125,6 +128,7 @@ def read_generation(app: App, req: Request) -> Generation:
         speculation=got["speculative"],
         top_logprobs=got["top_logprobs"] if got["logprobs"] else None,
         outputs=outputs,
+        prompt=got["prompt"] if got["prompt"] is not None else got["tokens"],
     )
 
 
@@ -159,19 +163,6 @@ def generate_job(
     )
 
 
-def prompt_chars(app: App, args: dict[str, Any]) -> str:
-    """A text prompt; one so long no tokenization could fit a session overflows
-    (its tokens are held to ``--max-request-tokens`` when the job starts)."""
-    limit = app.rt.ctx_per_lane * 64
-    value = args.get("prompt")
-    if isinstance(value, str) and len(value) > limit:
-        raise ContextOverflow(
-            f"prompt has {len(value)} characters; no tokenization of that fits "
-            f"{app.rt.ctx_per_lane} cells"
-        )
-    return get_str(args, "prompt", max_len=limit)
-
-
 def h_generate(app: App, req: Request) -> dict[str, Any] | None:
     """``generate``: a text prompt or tokens; with ``media``, a text prompt
     holding one marker per item."""
@@ -181,15 +172,17 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
         projector_of(app)  # no projector: unsupported, whatever else is wrong
         if not has_prompt or has_tokens:
             raise BadRequest("generate with media takes a text prompt (with markers), not tokens")
-        text = prompt_chars(app, args)
         gen = read_generation(app, req)
+        text = gen.prompt
+        assert isinstance(text, str)
         media = generate_prompt(app, req, text)
         _submit(app, media, lambda: generate_job(app, req, gen, text, _media_job(media)))
         return None
     if has_prompt == has_tokens:
         raise BadRequest("give exactly one of prompt or tokens")
-    prompt: str | list[int] = prompt_chars(app, args) if has_prompt else _tokens(app, args)
-    app.submit(generate_job(app, req, read_generation(app, req), prompt))
+    gen = read_generation(app, req)
+    assert gen.prompt is not None
+    app.submit(generate_job(app, req, gen, gen.prompt))
     return None
 
 

@@ -40,3 +40,4 @@ class Generation:
     speculation: Speculation | None
     top_logprobs: int | None  # None: no logprobs
     outputs: tuple[str, ...]  # tensors of the row each token was sampled from
+    prompt: str | list[int] | None = None  # generate's prompt or tokens; None for chat

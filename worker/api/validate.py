@@ -15,6 +15,7 @@ This module imports neither the engine nor llama.cpp.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class Context:
     limits: Limits = _DEFAULT_LIMITS
     n_vocab: int = 1 << 31
     grammars: GrammarChecker | None = None
+    cells: int = 1 << 31  # of one lane: what a session can hold
 
 
 NO_CONTEXT = Context()
@@ -170,6 +172,40 @@ class Stops(Field):
                 f"{where}[{i}] has {{n}} characters",
             )
         return tuple(value)
+
+
+@dataclass(frozen=True)
+class PromptText(Field):
+    """A text prompt. One so long that no tokenization could fit a lane is
+    ``context_overflow`` (its tokens are held to ``--max-request-tokens``
+    when its job tokenizes it)."""
+
+    default: str | None = None
+
+    def read(self, where: str, value: Any, ctx: Context) -> str:
+        if not isinstance(value, str):
+            raise BadRequest(f"{where} must be a string")
+        if len(value) > ctx.cells * 64:
+            raise ContextOverflow(
+                f"{where} has {len(value)} characters; no tokenization of that fits "
+                f"{ctx.cells} cells"
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class PromptTokens(Field):
+    """Tokens bound for a session's KV cache: over ``--max-request-tokens``
+    (when the tighter bound) is ``limit_exceeded``, over a lane's cells
+    ``context_overflow``."""
+
+    default: list[int] | None = None
+
+    def read(self, where: str, value: Any, ctx: Context) -> list[int]:
+        if isinstance(value, list):
+            check_request_tokens(len(value), where, ctx.cells, ctx.limits.max_request_tokens)
+        tokens: list[int] = Tokens(max_len=ctx.cells).read(where, value, ctx)
+        return tokens
 
 
 OUTPUT_NAMES = ("hidden", "logits")
@@ -288,12 +324,13 @@ def check_request_tokens(count: int, name: str, cells: int, most: int) -> None:
 def get_prompt_tokens(
     args: dict[str, Any], name: str, n_vocab: int, cells: int, most: int | None = None
 ) -> list[int]:
-    """Tokens bound for a session's KV cache, held to ``check_request_tokens``
-    (``most`` defaults to ``cells``)."""
-    value = args.get(name)
-    if isinstance(value, list):
-        check_request_tokens(len(value), name, cells, cells if most is None else most)
-    return get_tokens(args, name, n_vocab, max_len=cells)
+    """``args[name]`` read as ``PromptTokens`` (``most`` defaults to ``cells``)."""
+    limits = dataclasses.replace(
+        _DEFAULT_LIMITS, max_request_tokens=cells if most is None else most
+    )
+    ctx = Context(limits=limits, n_vocab=n_vocab, cells=cells)
+    tokens: list[int] = read_fields(args, {name: PromptTokens(REQUIRED)}, ctx)[name]
+    return tokens
 
 
 def get_messages(
