@@ -9,8 +9,9 @@ checks every envelope and limit). Per request the gateway:
    clients' ids may collide) and forwards ``[header, *buffers]``: only the
    header is encoded again, the buffer frames are the received ZeroMQ
    frames sent on with ``copy=False``;
-3. maps each reply and stream event back: decode the header, put the
-   client's id back, send it with the worker's buffer frames untouched.
+3. maps each reply and stream event back (``gateway/replies.py``): decode
+   the header, put the client's id back, send it with the worker's buffer
+   frames untouched.
 
 ``ping``, ``info`` (a worker's, cached, plus a ``gateway`` section),
 ``stats`` (the workers' summed) and ``cancel`` are answered here, as are the
@@ -28,7 +29,6 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import msgpack
 import zmq
 
 from edge import EdgeServer, Handler, Outgoing, Request, failure_header, logs
@@ -36,7 +36,6 @@ from faults import (
     BadRequest,
     Cancelled,
     DeadlineExceeded,
-    ErrorCode,
     Fault,
     LimitExceeded,
     WorkerUnavailable,
@@ -46,12 +45,13 @@ from protocol.envelope import VERSION, error_reply, ok_reply
 from .affinity import AffinityTable
 from .config import GatewayConfig
 from .drain import Drainer
-from .ledger import Inflight, Ledger
+from .ledger import Ledger
 from .metrics import GatewayMetrics
 from .ops import SPEECH_OPS, OpTable, sessions_of
 from .placement import Placer
-from .pool import LLM, NOBLOCK, Pool, WorkerConn
+from .pool import LLM, Pool, WorkerConn
 from .relay import Relay
+from .replies import Replies
 from .router import PrefixIndex, Router
 from .views import gateway_info, gateway_stats, gateway_status
 
@@ -61,7 +61,6 @@ _log = logs.get_logger("skiff.gateway")
 _DRAIN_OPS = frozenset({"gateway_status"})
 
 TICK_S = 0.05
-RECV_BATCH = 512  # messages taken from one worker per turn
 
 
 class _NotSent(WorkerUnavailable):
@@ -106,7 +105,6 @@ class GatewayService:
         self.forwarded = 0
         self._out: list[Outgoing] = []
         self.ready: set[zmq.Socket[Any]] = set()  # worker sockets the last poll found readable
-        self.relay: Relay | None = None  # set by attach(); until then replies go via the edge
         self._next_tick = 0.0
         self.draining = False  # SIGTERM: relaying accepted work, refusing new
         self.trusted: set[bytes] = set()  # peers the per-client limit spares (trust_peer)
@@ -119,6 +117,10 @@ class GatewayService:
             "gateway_drain": self._drain,
         }
         self._handlers = OpTable(local, self._forward)
+        # Worker -> client. Until attach() gives it a relay, replies go via the edge.
+        self.replies = Replies(
+            self.pool, self.ledger, metrics, self.send_later, lambda out: self._out.append(out)
+        )
 
     def trust_peer(self) -> bytes:
         """A routing id for an in-process front (the HTTP one) that carries
@@ -130,7 +132,7 @@ class GatewayService:
 
     def attach(self, edge: EdgeServer) -> None:
         """Send forwarded replies straight on ``edge``'s socket (the hot path)."""
-        self.relay = Relay(edge, self.peer_lost)
+        self.replies.relay = Relay(edge, self.peer_lost)
 
     # -- edge.Service --------------------------------------------------------------
 
@@ -150,11 +152,11 @@ class GatewayService:
                 if w is None:
                     continue
                 if sock is w.sock:
-                    self._recv(w, now)
+                    self.replies.recv(w, now)
                 else:
                     self.pool.monitor_events(w, now)
-            if self.relay is not None:
-                self.relay.flush()
+            if self.replies.relay is not None:
+                self.replies.relay.flush()
         if now >= self._next_tick:
             self._next_tick = now + TICK_S
             self.pool.poll_monitors(now)  # (also seen through the poller; a cheap backstop)
@@ -207,70 +209,6 @@ class GatewayService:
                 count += 1
             waiting.clear()
         return count
-
-    # -- worker -> client (the hot path) -----------------------------------------------
-
-    def _recv(self, w: WorkerConn, now: float) -> None:
-        """Up to ``RECV_BATCH`` replies from ``w``, each mapped to its client:
-        decode the header, put the client's id back, send it on with the
-        received buffer frames (``gateway/relay.py``)."""
-        sock = w.sock
-        relay = self.relay
-        for _ in range(RECV_BATCH):
-            try:  # until empty: a failed recv (~8 us) beats a ZMQ_EVENTS check per message (~4 us)
-                first = sock.recv(NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            buffers: list[zmq.Frame] = []
-            more = first.more
-            while more:
-                frame = sock.recv(NOBLOCK, copy=False)
-                buffers.append(frame)
-                more = frame.more
-            w.last_seen = now
-            try:
-                # A worker is a trusted peer: no size or depth caps on its headers.
-                header = msgpack.unpackb(first.bytes, raw=False, strict_map_key=False)
-                gid = header.get("id")
-            except Exception as exc:
-                _log.error("worker_reply_undecodable", worker=w.name, error=str(exc))
-                continue
-            rec = self.ledger.get(gid) if type(gid) is int else None
-            if rec is None:
-                if type(gid) is int and not self.pool.answer_call(gid, header, buffers):
-                    _log.debug("stale_reply", worker=w.name, id=gid)
-                continue
-            ok = header.get("ok") is True
-            if not ok and rec.retry is not None and self._reroute(w, rec, header):
-                continue
-            if rec.placed and ok:
-                self.ledger.confirm(rec)
-            if not ok or "event" not in header or header.get("done"):
-                self.ledger.finish(rec, ok)
-            if rec.peer is None:
-                continue
-            header["id"] = rec.client_id
-            if relay is not None:
-                relay.send(rec.peer, header, buffers)
-            else:
-                self._out.append(Outgoing(rec.peer, header, buffers))
-            if self.metrics is not None:
-                self.metrics.to_client(len(first), buffers)
-
-    def _reroute(self, w: WorkerConn, rec: Inflight, header: dict[str, Any]) -> bool:
-        """A worker refused new work because it is shutting down (nothing ran):
-        route no new work to it and send the request to another worker. False
-        when this reply is some other failure."""
-        error = header.get("error")
-        if not isinstance(error, dict) or error.get("code") != ErrorCode.SHUTTING_DOWN:
-            return False
-        if not w.draining:
-            w.draining = True  # until it goes down and comes back (pool: rejoin)
-            _log.warning("worker_shutting_down", worker=w.name)
-        self.ledger.finish(rec, False)
-        if rec.peer is not None:
-            self.send_later(rec.retry)
-        return True
 
     # -- client -> worker -----------------------------------------------------------
 
