@@ -22,7 +22,8 @@ process serves or ``other``; ``code`` is ``ok``, a ``faults`` error code, one
 of the edge's lost-peer reasons, or ``other``.
 
 Each process keeps its own ``CollectorRegistry`` (``new_registry``) and
-serves it with ``serve`` (prometheus_client's exporter, on its own thread).
+serves it with ``serve`` (prometheus_client's exporter, on its own thread);
+the process mains go through ``start``, which reads port 0 as "off".
 The exporter thread only reads the metrics; it never calls the service.
 """
 
@@ -108,6 +109,22 @@ def serve(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> Expo
     bound = int(server.server_address[1])
     _log.info("metrics_serving", host=host, port=bound)
     return Exporter(host, bound, server)
+
+
+def start(registry: CollectorRegistry | None, port: int, host: str = "0.0.0.0") -> Exporter | None:
+    """A process main's exporter for ``--metrics-port``: ``None`` when metrics
+    are off (``port`` 0, or no registry), else ``serve``'s.
+
+    An address that cannot be bound (in use, not local) raises ``OSError``
+    naming it, so every process stops at start-up with the same message.
+    """
+    if registry is None or not port:
+        return None
+    try:
+        return serve(registry, port, host)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {why}") from exc
 
 
 class _OpMetrics:

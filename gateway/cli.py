@@ -56,12 +56,12 @@ def serve(argv: Sequence[str]) -> int:
         metrics = None
         if cfg.metrics_port:
             from edge.metrics import new_registry
-            from edge.metrics import serve as serve_metrics
+            from edge.metrics import start as start_metrics
 
             from .metrics import GatewayMetrics
 
             metrics = GatewayMetrics(new_registry())
-            exporter = serve_metrics(metrics.registry, cfg.metrics_port)
+            exporter = start_metrics(metrics.registry, cfg.metrics_port)
         gateway = Gateway(cfg, metrics=metrics)
         address = cfg.http_address
         if address is not None:

@@ -9,8 +9,9 @@ checks every envelope and limit). Per request the gateway:
    clients' ids may collide) and forwards ``[header, *buffers]``: only the
    header is encoded again, the buffer frames are the received ZeroMQ
    frames sent on with ``copy=False``;
-3. maps each reply and stream event back: decode the header, put the
-   client's id back, send it with the worker's buffer frames untouched.
+3. maps each reply and stream event back (``gateway/replies.py``): decode
+   the header, put the client's id back, send it with the worker's buffer
+   frames untouched.
 
 ``ping``, ``info`` (a worker's, cached, plus a ``gateway`` section),
 ``stats`` (the workers' summed) and ``cancel`` are answered here, as are the
@@ -35,7 +36,6 @@ from faults import (
     BadRequest,
     Cancelled,
     DeadlineExceeded,
-    ErrorCode,
     Fault,
     LimitExceeded,
     WorkerUnavailable,
@@ -45,22 +45,23 @@ from protocol.envelope import VERSION, error_reply, ok_reply
 from .affinity import AffinityTable
 from .config import GatewayConfig
 from .drain import Drainer
-from .ledger import Inflight, Ledger
+from .ledger import Ledger
 from .metrics import GatewayMetrics
 from .ops import SPEECH_OPS, OpTable, sessions_of
 from .placement import Placer
 from .pool import LLM, Pool, WorkerConn
 from .relay import Relay
+from .replies import Replies
 from .router import PrefixIndex, Router
 from .views import gateway_info, gateway_stats, gateway_status
 
+RECV_BATCH = 512  # messages taken from one worker per turn
 _log = logs.get_logger("skiff.gateway")
 
 # Ops a draining gateway still serves besides ping/info/stats/cancel.
 _DRAIN_OPS = frozenset({"gateway_status"})
 
 TICK_S = 0.05
-RECV_BATCH = 512  # messages taken from one worker per turn
 
 
 class _NotSent(WorkerUnavailable):
@@ -105,7 +106,6 @@ class GatewayService:
         self.forwarded = 0
         self._out: list[Outgoing] = []
         self.ready: set[zmq.Socket[Any]] = set()  # worker sockets the last poll found readable
-        self.relay: Relay | None = None  # set by attach(); until then replies go via the edge
         self._next_tick = 0.0
         self.draining = False  # SIGTERM: relaying accepted work, refusing new
         self.trusted: set[bytes] = set()  # peers the per-client limit spares (trust_peer)
@@ -118,6 +118,10 @@ class GatewayService:
             "gateway_drain": self._drain,
         }
         self._handlers = OpTable(local, self._forward)
+        # Worker -> client. Until attach() gives it a relay, replies go via the edge.
+        self.replies = Replies(
+            self.ledger, metrics, self.send_later, lambda out: self._out.append(out)
+        )
 
     def trust_peer(self) -> bytes:
         """A routing id for an in-process front (the HTTP one) that carries
@@ -129,7 +133,7 @@ class GatewayService:
 
     def attach(self, edge: EdgeServer) -> None:
         """Send forwarded replies straight on ``edge``'s socket (the hot path)."""
-        self.relay = Relay(edge, self.peer_lost)
+        self.replies.relay = Relay(edge, self.peer_lost)
 
     # -- edge.Service --------------------------------------------------------------
 
@@ -152,8 +156,8 @@ class GatewayService:
                     self._recv(w, now)
                 else:
                     self.pool.monitor_events(w)
-            if self.relay is not None:
-                self.relay.flush()
+            if self.replies.relay is not None:
+                self.replies.relay.flush()
         if now >= self._next_tick:
             self._next_tick = now + TICK_S
             self.pool.poll_monitors()  # (also seen through the poller; a cheap backstop)
@@ -207,7 +211,7 @@ class GatewayService:
             waiting.clear()
         return count
 
-    # -- worker -> client (the hot path) -----------------------------------------------
+    # -- worker -> client (the hot path: gateway/replies.py) ---------------------------
 
     def _recv(self, w: WorkerConn, now: float) -> None:
         """Up to ``RECV_BATCH`` replies from ``w``: the pool's internal calls
@@ -218,46 +222,7 @@ class GatewayService:
     def worker_reply(
         self, w: WorkerConn, header: dict[str, Any], buffers: list[zmq.Frame], size: int
     ) -> None:
-        """A reply to a forwarded client request, mapped to its client: put
-        the client's id back and send it on with the received buffer frames
-        (``gateway/relay.py``)."""
-        gid = header.get("id")
-        rec = self.ledger.get(gid) if type(gid) is int else None
-        if rec is None:
-            if type(gid) is int:
-                _log.debug("stale_reply", worker=w.name, id=gid)
-            return
-        ok = header.get("ok") is True
-        if not ok and rec.retry is not None and self._reroute(w, rec, header):
-            return
-        if rec.placed and ok:
-            self.ledger.confirm(rec)
-        if not ok or "event" not in header or header.get("done"):
-            self.ledger.finish(rec, ok)
-        if rec.peer is None:
-            return
-        header["id"] = rec.client_id
-        if self.relay is not None:
-            self.relay.send(rec.peer, header, buffers)
-        else:
-            self._out.append(Outgoing(rec.peer, header, buffers))
-        if self.metrics is not None:
-            self.metrics.to_client(size, buffers)
-
-    def _reroute(self, w: WorkerConn, rec: Inflight, header: dict[str, Any]) -> bool:
-        """A worker refused new work because it is shutting down (nothing ran):
-        route no new work to it and send the request to another worker. False
-        when this reply is some other failure."""
-        error = header.get("error")
-        if not isinstance(error, dict) or error.get("code") != ErrorCode.SHUTTING_DOWN:
-            return False
-        if not w.draining:
-            w.draining = True  # until it goes down and comes back (pool: rejoin)
-            _log.warning("worker_shutting_down", worker=w.name)
-        self.ledger.finish(rec, False)
-        if rec.peer is not None:
-            self.send_later(rec.retry)
-        return True
+        self.replies.reply(w, header, buffers, size)
 
     # -- client -> worker -----------------------------------------------------------
 

@@ -13,11 +13,13 @@ buffers sent as extra ZeroMQ frames::
 
 Parts carry byte strides and an offset rather than assuming C order so that a
 slice of a frame (a chunk of tokens) is still a frame over the same memory:
-nothing is copied to slice, to send (``attach`` sends memoryview slices) or
-to receive (``Frame.array`` is a numpy view over the received frame).
+nothing is copied to slice (``protocol/frame_chunks.py``), to send (``attach``
+sends memoryview slices) or to receive (``Frame.array`` is a numpy view over
+the received frame).
 
 Everything a peer sends is untrusted: ``parse`` checks every field and names
-the bad one in ``FrameError.field``. Integers are capped below 2**62 and all
+the bad one in ``FrameError.field`` (the errors and the receiver's limits are
+in ``protocol/frame_limits.py``). Integers are capped below 2**62 and all
 extents are computed with Python ints before numpy sees them, so no header can
 make numpy's int64 index arithmetic wrap or reach outside its buffer. Data is
 little-endian always. numpy has no bfloat16, so ``bf16`` parts are viewed as
@@ -35,16 +37,18 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from faults import BadRequest, LimitExceeded
+from .frame_limits import (
+    DEFAULT_LIMITS,
+    INT_LIMIT,
+    MAX_IDENTITY_CHARS,
+    MAX_RANK,
+    RANK_CEILING,
+    FrameError,
+    FrameLimitError,
+    FrameLimits,
+)
 
 VERSION: Final = 1
-MAX_PARTS: Final = 64  # default limits of a received frame (``FrameLimits``)
-MAX_RANK: Final = 8
-RANK_CEILING: Final = 32  # numpy's smallest NPY_MAXDIMS: no limit may go past it
-MAX_IDENTITY_CHARS: Final = 64
-# Every wire integer stays below this, so offset + index * stride (what numpy
-# computes in int64) cannot overflow even for a hostile header.
-INT_LIMIT: Final = 1 << 62
 
 DTYPES: Final[Mapping[str, np.dtype[Any]]] = MappingProxyType(
     {
@@ -62,49 +66,6 @@ WIRE_NAMES: Final[Mapping[np.dtype[Any], str]] = MappingProxyType(
 )
 
 PartSpec = tuple[str, npt.NDArray[Any], int] | tuple[str, npt.NDArray[Any], int, str]
-
-
-class FrameError(BadRequest):
-    """A frame is malformed; ``field`` names the offending field (e.g. ``parts[1].dims``).
-
-    A subclass of ``BadRequest`` so the worker answers ``bad_request`` without
-    special handling, while tests and logs can still see exactly what was wrong.
-    """
-
-    def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"frame.{field}: {why}")
-        self.field = field
-
-
-class FrameLimitError(LimitExceeded):
-    """A well-formed frame holds more than the receiver's ``FrameLimits`` allow.
-
-    ``limit_exceeded`` rather than ``bad_request``: the frame is valid, this
-    receiver is configured not to take one that large. ``field`` names the
-    field as ``FrameError`` does; ``limit`` names the ``FrameLimits`` field
-    (``parts`` or ``rank``) so a server can name the setting behind it.
-    """
-
-    def __init__(self, field: str, why: str, limit: str) -> None:
-        super().__init__(f"frame.{field}: {why}")
-        self.field = field
-        self.limit = limit
-
-
-@dataclass(frozen=True)
-class FrameLimits:
-    """How much one received frame may hold, besides its bytes.
-
-    Bytes are bounded by the message size (ZeroMQ's MAXMSGSIZE); these bound
-    the header's lists, so what ``parse`` walks and builds per frame stays
-    small whatever a peer sends. ``rank`` is at most ``RANK_CEILING``.
-    """
-
-    parts: int = MAX_PARTS
-    rank: int = MAX_RANK
-
-
-DEFAULT_LIMITS: Final = FrameLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +129,6 @@ class Frame:
 # The wire keys are the dataclass fields, so the two cannot drift apart.
 _PART_KEYS: Final = tuple(f.name for f in fields(Part))
 _HEADER_KEYS: Final = tuple(f.name for f in fields(Frame) if f.name not in ("positions", "buffers"))
-# Header fields every chunk of one logical frame carries unchanged.
-_SHARED: Final = ("producer_stage", "layer_start", "layer_end", "sequence_count")
 
 
 def make_frame(
@@ -208,7 +167,7 @@ def make_frame(
     p = _plain
     head = (p(producer_stage), p(layer_start), p(layer_end), p(token_count), p(sequence_count))
     listed = None if positions is None else tuple(p(v) for v in positions)
-    return _recheck(Frame(VERSION, *head, listed, tuple(drafts), tuple(buffers)))
+    return recheck(Frame(VERSION, *head, listed, tuple(drafts), tuple(buffers)))
 
 
 def attach(frame: Frame, buffers: list[Any]) -> dict[str, Any]:
@@ -268,79 +227,10 @@ def parse(
     return Frame(VERSION, *ints, positions, tuple(parts), views)
 
 
-def slice_frame(frame: Frame, start: int, end: int) -> Frame:
-    """Tokens ``[start, end)`` of every part with a token axis, over the same memory.
-
-    Parts without a token axis (e.g. per-sequence state) are kept whole.
-    """
-    valid = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end))
-    if not valid or not 0 <= start <= end <= frame.token_count:
-        raise FrameError("token_range", f"[{start}, {end}) is not within [0, {frame.token_count}]")
-    parts = []
-    for p in frame.parts:
-        if p.token_axis < 0:
-            parts.append(p)
-            continue
-        dims = list(p.dims)
-        dims[p.token_axis] = end - start
-        nbytes = math.prod(dims) * p.itemsize
-        # An empty part keeps its old (known in-bounds) offset: start * stride
-        # could point past the end of the buffer when nothing is left.
-        offset = p.offset + start * p.byte_strides[p.token_axis] if nbytes else p.offset
-        parts.append(replace(p, dims=tuple(dims), offset=offset, nbytes=nbytes))
-    positions = None if frame.positions is None else frame.positions[start:end]
-    return _recheck(
-        replace(frame, token_count=end - start, positions=positions, parts=tuple(parts))
-    )
-
-
-def combine_frames(frames: Sequence[Frame]) -> Frame:
-    """Concatenate frames along the token axis into fresh buffers (one per part).
-
-    The frames must be chunks of one logical frame: same stage, layers and
-    sequence count, and the same parts differing only in their token length.
-    """
-    if not frames:
-        raise FrameError("frames", "nothing to combine")
-    first = frames[0]
-    for other in frames[1:]:
-        for name in ("version", *_SHARED):
-            a, b = getattr(first, name), getattr(other, name)
-            if a != b:
-                raise FrameError(name, f"frames disagree: {a} vs {b}")
-        if other.identities != first.identities:
-            raise FrameError("parts", f"frames disagree: {first.identities} vs {other.identities}")
-        if (first.positions is None) != (other.positions is None):
-            raise FrameError("positions", "present in some frames but not all")
-        for i, (a_part, b_part) in enumerate(zip(first.parts, other.parts, strict=True)):
-            _check_combinable(first, a_part, other, b_part, f"parts[{i}]")
-    specs: list[PartSpec] = []
-    for p in first.parts:
-        if p.token_axis < 0:
-            arr = first.array(p.identity).copy()
-        else:
-            arr = np.concatenate([f.array(p.identity) for f in frames], axis=p.token_axis)
-        specs.append((p.identity, arr, p.token_axis, p.dtype))
-    positions = None if first.positions is None else [x for f in frames for x in f.positions or ()]
-    shared = {name: getattr(first, name) for name in _SHARED}
-    return make_frame(
-        specs, positions=positions, token_count=sum(f.token_count for f in frames), **shared
-    )
-
-
-def _check_combinable(first: Frame, a: Part, other: Frame, b: Part, where: str) -> None:
-    if a.dtype != b.dtype:
-        raise FrameError(f"{where}.dtype", f"frames disagree: {a.dtype} vs {b.dtype}")
-    if len(a.dims) != len(b.dims):
-        raise FrameError(f"{where}.dims", f"ranks disagree: {len(a.dims)} vs {len(b.dims)}")
-    if a.token_axis != b.token_axis:
-        raise FrameError(f"{where}.token_axis", f"disagree: {a.token_axis} vs {b.token_axis}")
-    if any(
-        x != y for k, (x, y) in enumerate(zip(a.dims, b.dims, strict=True)) if k != a.token_axis
-    ):
-        raise FrameError(f"{where}.dims", f"non-token dims disagree: {a.dims} vs {b.dims}")
-    if a.token_axis < 0 and first.array(a.identity).tobytes() != other.array(b.identity).tobytes():
-        raise FrameError(where, "has no token axis, so it must be identical in every frame")
+def recheck(frame: Frame) -> Frame:
+    """Run a frame built here (``make_frame``, ``frame_chunks``) through ``parse``:
+    one checker for sent and received frames."""
+    return parse(_frame_map(frame, frame.parts), frame.buffers)
 
 
 def _parse_part(
@@ -435,11 +325,6 @@ def _byte_view(buf: memoryview | bytes | bytearray, index: int) -> memoryview:
     if not mv.c_contiguous:
         raise FrameError(f"buffers[{index}]", "is not contiguous")
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-def _recheck(frame: Frame) -> Frame:
-    """Run a frame we built through ``parse``: one checker for sent and received frames."""
-    return parse(_frame_map(frame, frame.parts), frame.buffers)
 
 
 def _frame_map(frame: Frame, parts: Sequence[Part]) -> dict[str, Any]:

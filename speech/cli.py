@@ -197,14 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except zmq.ZMQError as exc:
         log.error("cannot bind", endpoint=args.bind, error=str(exc))
         return 2
-    exporter: edge_metrics.Exporter | None = None
-    if registry is not None:
-        try:
-            exporter = edge_metrics.serve(registry, args.metrics_port, args.metrics_host)
-        except OSError as exc:
-            log.error("cannot serve metrics", port=args.metrics_port, error=str(exc))
-            server.close()
-            return 2
+    try:
+        exporter = edge_metrics.start(registry, args.metrics_port, args.metrics_host)
+    except OSError as exc:
+        log.error("cannot serve metrics", port=args.metrics_port, error=str(exc))
+        server.close()
+        return 2
 
     drain_on_signals(server.drain, args.drain_timeout_s, log)
     log.info("speech worker ready", endpoint=server.endpoint, voices=list(engine.voices))

@@ -2,9 +2,9 @@
 
 It runs on the same ``EdgeServer`` as the LLM worker. Each pass drains every
 waiting request without blocking (ping, info, stats and cancel are answered
-on the spot; synthesize is validated and queued), then synthesizes at most
-one sentence chunk of the running job. So ping and cancel wait at most one
-chunk, never a whole text.
+on the spot; synthesize is checked into a ``Job``, ``speech/jobs.py``, and
+queued), then synthesizes at most one sentence chunk of the running job. So
+ping and cancel wait at most one chunk, never a whole text.
 
 Cancellation: ``cancel {"id": N}`` answers ``{"cancelled": true}`` when
 request N of the same peer was queued or running; that request then ends
@@ -24,11 +24,10 @@ estimated from the work ahead.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from structlog import get_logger
@@ -40,42 +39,9 @@ from protocol.envelope import Op, event_reply, ok_reply
 
 from . import FORMATS, audio
 from .engine import MAX_CHUNK_CHARS, MAX_SPEED, MIN_SPEED, Engine, split_sentences
+from .jobs import Job
 
 log = get_logger("skiff.speech")
-
-_SYNTH_ARGS = frozenset({"text", "voice", "format", "speed", "stream", "max_seconds"})
-
-
-@dataclass
-class Job:
-    """A synthesize request from admission to its last reply."""
-
-    peer: bytes
-    req_id: int
-    text: str
-    voice: str
-    fmt: str
-    speed: float
-    stream: bool
-    max_seconds: float | None
-    received: float
-    chunks: list[str] = field(default_factory=list)
-    next_chunk: int = 0
-    seq: int = 0
-    samples: int = 0
-    parts: list[audio.Samples] = field(default_factory=list)
-    started: float | None = None
-    first_audio: float | None = None
-    cancelled: bool = False
-
-    @property
-    def key(self) -> tuple[bytes, int]:
-        return (self.peer, self.req_id)
-
-    def chars_left(self) -> int:
-        if self.started is None:
-            return len(self.text)
-        return sum(len(c) for c in self.chunks[self.next_chunk :])
 
 
 @dataclass
@@ -234,7 +200,7 @@ class SpeechService:
         return {"cancelled": True}
 
     def _synthesize(self, req: Request) -> dict[str, Any] | None:
-        job = self._validate(req)
+        job = Job.from_request(req, self.engine, self.max_chars)
         if job.key in self.jobs:
             raise BadRequest(f"request id {req.id} is already in flight")
         if len(self.queue) >= self.max_queue:
@@ -244,52 +210,6 @@ class SpeechService:
         self.jobs[job.key] = job
         log.debug("synthesis queued", queued=len(self.queue), chars=len(job.text))
         return None
-
-    def _validate(self, req: Request) -> Job:
-        """Check synthesize args at the edge: ``bad_request`` naming the field,
-        ``limit_exceeded`` for text over ``--max-chars``."""
-        args = req.args
-        req_id = req.id
-        unknown = sorted(repr(k)[:64] for k in args if k not in _SYNTH_ARGS)
-        if unknown:
-            raise BadRequest(f"unknown arguments {unknown[:8]}")
-        text = args.get("text")
-        if not isinstance(text, str) or not text.strip():
-            raise BadRequest("text must be a non-empty string")
-        if len(text) > self.max_chars:  # a configured limit, not a malformed request
-            raise LimitExceeded(
-                f"text has {len(text)} characters; the limit is {self.max_chars} (--max-chars)"
-            )
-        if "\x00" in text:  # espeak takes C strings: a NUL raised ValueError mid-synthesis
-            raise BadRequest("text must not contain NUL characters")
-        voice = args.get("voice", self.engine.default_voice)
-        if not isinstance(voice, str) or voice not in self.engine.voices:
-            raise BadRequest(f"unknown voice; known: {list(self.engine.voices)}")
-        fmt = args.get("format", "wav")
-        if not isinstance(fmt, str) or fmt not in FORMATS:
-            raise BadRequest(f"unsupported format; supported: {list(FORMATS)}")
-        speed = _number(args.get("speed", 1.0), "speed")
-        if not MIN_SPEED <= speed <= MAX_SPEED:
-            raise BadRequest(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}]")
-        stream = args.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("stream must be a boolean")
-        max_seconds = args.get("max_seconds")
-        if max_seconds is not None:
-            max_seconds = _number(max_seconds, "max_seconds")
-            if max_seconds <= 0:
-                raise BadRequest("max_seconds must be positive")
-        return Job(
-            peer=req.peer,
-            req_id=req_id,
-            text=text,
-            voice=str(voice),
-            fmt=str(fmt),
-            speed=speed,
-            stream=stream,
-            max_seconds=max_seconds,
-            received=time.monotonic(),
-        )
 
     def _retry_after_ms(self) -> int:
         chars = sum(j.chars_left() for j in self.queue)
@@ -406,9 +326,3 @@ class SpeechService:
 
     def _send(self, peer: bytes, header: dict[str, Any], buffers: list[Any] | None = None) -> None:
         self._out.append(Outgoing(peer, header, buffers or []))
-
-
-def _number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a finite number")
-    return float(value)

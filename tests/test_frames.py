@@ -18,19 +18,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from faults import BadRequest
+from protocol.frame_chunks import combine_frames, slice_frame
+from protocol.frame_limits import FrameError, FrameLimitError
 from protocol.frames import (
     DTYPES,
     VERSION,
     WIRE_NAMES,
     Frame,
-    FrameError,
-    FrameLimitError,
     PartSpec,
     attach,
-    combine_frames,
     make_frame,
     parse,
-    slice_frame,
 )
 
 # No example database: the suite leaves nothing behind in the tree.

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from faults import Fault
-from protocol import frames, transport
+from protocol import frame_chunks, frames, transport
 from worker.api import validate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,7 +211,7 @@ def test_slicing_an_accepted_frame_anywhere_is_a_frame_or_a_fault(
 ) -> None:
     frame = _fault_or(lambda: frames.parse(case[0], case[1]))
     if frame is not None:
-        part = _fault_or(lambda: frames.slice_frame(frame, start, end))
+        part = _fault_or(lambda: frame_chunks.slice_frame(frame, start, end))
         assert part is None or part.token_count == end - start
 
 

@@ -21,7 +21,7 @@ from test_scheduler import PEER, Harness
 
 from conftest import start_worker, stop_worker
 from faults import BadRequest, ContextOverflow, LimitExceeded
-from protocol import Client, SkiffError, frames
+from protocol import Client, SkiffError, frame_limits, frames
 from worker import config
 from worker.api.sampling import get_sampling
 from worker.api.validate import (
@@ -149,8 +149,8 @@ def _frame(*arrays: np.ndarray) -> tuple[dict[str, Any], list[Any]]:
 def test_frame_parts_and_rank() -> None:
     two, buffers = _frame(np.zeros(2, np.float32), np.zeros(3, np.float32))
     assert len(frames.parse(two, buffers).parts) == 2  # protocol's defaults
-    with pytest.raises(frames.FrameLimitError) as err:
-        frames.parse(two, buffers, frames.FrameLimits(parts=1))
+    with pytest.raises(frame_limits.FrameLimitError) as err:
+        frames.parse(two, buffers, frame_limits.FrameLimits(parts=1))
     assert (err.value.field, err.value.limit, err.value.code) == (
         "parts",
         "parts",
@@ -163,9 +163,9 @@ def test_frame_parts_and_rank() -> None:
         get_frame({"frame": cube}, "frame", buffers, SMALL)
     deep, buffers = _frame(np.zeros((1,) * 8, np.float32))
     deep["parts"][0] |= {"dims": [1] * 9, "byte_strides": [4] * 9}  # rank 9: over the default
-    with pytest.raises(frames.FrameLimitError):
+    with pytest.raises(frame_limits.FrameLimitError):
         frames.parse(deep, buffers)
-    assert frames.parse(deep, buffers, frames.FrameLimits(rank=9)).parts[0].dims == (1,) * 9
+    assert frames.parse(deep, buffers, frame_limits.FrameLimits(rank=9)).parts[0].dims == (1,) * 9
 
 
 # -- per-peer counting (the scheduler, on fakes) ----------------------------------------
@@ -408,4 +408,6 @@ def test_defaults_leave_a_default_worker_as_before() -> None:
         d.max_frame_parts,
         d.max_frame_rank,
     ) == old
-    assert frames.FrameLimits() == frames.FrameLimits(d.max_frame_parts, d.max_frame_rank)
+    assert frame_limits.FrameLimits() == frame_limits.FrameLimits(
+        d.max_frame_parts, d.max_frame_rank
+    )

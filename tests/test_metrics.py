@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, WAIT_S, start_worker, stop_worker
 from edge import EdgeConfig, EdgeServer, Outgoing, Request
-from edge.metrics import EdgeMetrics, new_registry, serve
+from edge.metrics import EdgeMetrics, new_registry, serve, start
 from protocol import Client, SkiffError, transport
 from protocol.envelope import error_reply, event_reply, ok_reply
 
@@ -234,6 +234,20 @@ def test_edge_server_reports_every_request(toy_server: tuple[str, int]) -> None:
     assert value(s, "skiff_request_duration_seconds_count", op="count") == 1
     assert value(s, "skiff_requests_in_flight") == 0
     assert value(s, "process_cpu_seconds_total") > 0  # the process collector is there
+
+
+def test_start_is_off_at_port_0_and_names_a_taken_address() -> None:
+    """Every process main starts its exporter through ``start``: 0 (or no
+    registry) is off; an address in use is an OSError naming it."""
+    registry = new_registry(process_metrics=False)
+    assert start(registry, 0, "127.0.0.1") is None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert start(None, port, "127.0.0.1") is None
+        with pytest.raises(OSError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: "):
+            start(registry, port, "127.0.0.1")
 
 
 # -- a real LLM worker -------------------------------------------------------------

@@ -128,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.metrics_port:
             metrics = WorkerMetrics(edge_metrics.new_registry(), service)
         server = EdgeServer(edge_config(cfg), service, metrics=metrics.edge if metrics else None)
-        if metrics is not None:
-            exporter = edge_metrics.serve(metrics.registry, cfg.metrics_port, cfg.metrics_host)
+        registry = metrics.registry if metrics is not None else None
+        exporter = edge_metrics.start(registry, cfg.metrics_port, cfg.metrics_host)
     except Exception as exc:
         log.error("startup_failed", error=str(exc))
         return 1

@@ -26,7 +26,7 @@ from faults import LimitExceeded
 
 # Fields whose 0 means "a lane's cells" (resolved once the lane size is known).
 PER_LANE: Final = ("max_request_tokens", "max_new_tokens")
-RANK_CEILING: Final = 32  # protocol.frames.RANK_CEILING (numpy's smallest max rank)
+RANK_CEILING: Final = 32  # protocol.frame_limits.RANK_CEILING (numpy's smallest max rank)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from faults import BadRequest, ContextOverflow, LimitExceeded
-from protocol import frames
+from protocol import frame_limits, frames
 from protocol.envelope import MAX_SESSION_CHARS
 
 from ..limits import Limits, check, flag
@@ -416,13 +416,13 @@ def get_frame(
     with at most ``max_frame_parts`` parts of at most ``max_frame_rank`` dims."""
     if name not in args:
         raise BadRequest(f"{name} is required (a tensor frame)")
-    most = frames.FrameLimits(parts=limits.max_frame_parts, rank=limits.max_frame_rank)
+    most = frame_limits.FrameLimits(parts=limits.max_frame_parts, rank=limits.max_frame_rank)
     try:
         return frames.parse(args[name], buffers, most)
-    except frames.FrameError as exc:
+    except frame_limits.FrameError as exc:
         # the message names the field as frame.<field>; name it where it was
         raise BadRequest(exc.message.replace("frame.", f"{name}.", 1)) from None
-    except frames.FrameLimitError as exc:
+    except frame_limits.FrameLimitError as exc:
         # "input.parts: has 3 parts; the limit is 1 (--max-frame-parts)"
         where = exc.message.replace("frame.", f"{name}.", 1)
         raise LimitExceeded(f"{where} ({flag(_FRAME_FLAGS[exc.limit])})") from None
