@@ -152,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.close()
         if projector is not None:
             projector.close()  # it points into the model: before the engine
+        if service.rt.park is not None:
+            service.rt.park.close()  # spilled files (--park-dir) go with the worker
         engine.close()
         if draft is not None:
             draft.runtime.close()

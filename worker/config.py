@@ -43,6 +43,8 @@ class WorkerConfig:
     kernels: str = "exact"  # "exact": batch-invariant rows; "upstream": llama.cpp's own paths
     admission_timeout_ms: int = 60_000
     session_idle_s: float = 600.0
+    park_bytes: int = -1  # host memory for parked sessions; -1 = a quarter of RAM, 0 = off
+    park_dir: str = ""  # a directory for parked sessions past --park-bytes; "" = evict them
     max_request_bytes: int = 4 * 1024 * 1024
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     log_format: str = "auto"
@@ -127,6 +129,18 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ),
     ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),
     ("session-idle-s", float, "drop named sessions unused this long (frees lanes of gone peers)"),
+    (
+        "park-bytes",
+        int,
+        "host memory for parked sessions (idle sessions whose lane a new one needed; restored "
+        "exactly when named again); -1 = a quarter of RAM, 0 = no parking (lanes_busy)",
+    ),
+    (
+        "park-dir",
+        str,
+        "directory for parked sessions past --park-bytes; without it the least recently parked "
+        "are evicted (naming one answers session_not_active)",
+    ),
     ("max-request-bytes", int, "largest request header; larger is payload_too_large"),
     (
         "max-message-bytes",
@@ -239,6 +253,8 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
         raise SystemExit(
             "skiff-worker: lanes, ctx, batch, prefill-chunk and chain-credit must be positive"
         )
+    if cfg.park_bytes < -1:
+        raise SystemExit("skiff-worker: --park-bytes must be >= 0, or -1 for a quarter of RAM")
     if cfg.send_hwm < 1:
         raise SystemExit("skiff-worker: --send-hwm must be positive")
     if cfg.repack and cfg.kernels == "exact":
@@ -258,6 +274,13 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
     if cfg.chat_template and not os.path.isfile(cfg.chat_template):
         raise SystemExit(f"skiff-worker: --chat-template {cfg.chat_template}: no such file")
     return cfg
+
+
+def park_bytes(cfg: WorkerConfig) -> int:
+    """``--park-bytes`` resolved: -1 is a quarter of the machine's memory."""
+    if cfg.park_bytes >= 0:
+        return cfg.park_bytes
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 
 
 def curve_keys(cfg: WorkerConfig) -> Curve | None:

@@ -68,6 +68,13 @@ class WorkerSnapshot:
     cancelled: int
     expired: int
     tokens_evaluated: int
+    parked_sessions: int = 0
+    park_bytes: int = 0  # in memory
+    park_disk_bytes: int = 0
+    parks: int = 0
+    restores: int = 0
+    park_evictions: int = 0
+    restore_seconds: float = 0.0
 
 
 def read_snapshot(service: LlmService, kv_cells_total: int) -> WorkerSnapshot:
@@ -84,7 +91,15 @@ def read_snapshot(service: LlmService, kv_cells_total: int) -> WorkerSnapshot:
     stats = sched.stats
     sessions = list(lanes.sessions.values())
     busy = len(sessions)
+    park = service.rt.park
     return WorkerSnapshot(
+        parked_sessions=len(park) if park is not None else 0,
+        park_bytes=park.memory_bytes if park is not None else 0,
+        park_disk_bytes=park.disk_bytes if park is not None else 0,
+        parks=park.parks if park is not None else 0,
+        restores=park.restores if park is not None else 0,
+        park_evictions=park.evictions if park is not None else 0,
+        restore_seconds=park.restore_s if park is not None else 0.0,
         queued=len(sched.pending),
         running=len(sched.active),
         lanes_total=lanes.n_lanes,
@@ -128,6 +143,9 @@ class WorkerCollector(Collector):
                 s.kv_cells_used,
             ),
             ("skiff_kv_cells_total", "KV cells of the context (n_ctx).", s.kv_cells_total),
+            ("skiff_parked_sessions", "Idle sessions parked off their lanes.", s.parked_sessions),
+            ("skiff_park_bytes", "Host memory holding parked sessions.", s.park_bytes),
+            ("skiff_park_disk_bytes", "Parked sessions spilled to --park-dir.", s.park_disk_bytes),
         ]
         for name, text, value in gauges:
             yield GaugeMetricFamily(name, text, value=value)
@@ -140,6 +158,18 @@ class WorkerCollector(Collector):
                 s.prefix_reused_tokens,
             ),
             ("skiff_prefix_cache_evictions", "Cached lanes evicted (LRU).", s.prefix_evictions),
+            ("skiff_parks", "Sessions parked to free a lane.", s.parks),
+            ("skiff_park_restores", "Parked sessions restored into a lane.", s.restores),
+            (
+                "skiff_park_evictions",
+                "Parked sessions evicted past --park-bytes.",
+                s.park_evictions,
+            ),
+            (
+                "skiff_park_restore_seconds",
+                "Time spent restoring parked sessions (read + llama.cpp load).",
+                s.restore_seconds,
+            ),
             ("skiff_scheduler_admitted", "Jobs admitted by the scheduler.", s.admitted),
             ("skiff_scheduler_rejected", "Jobs refused (queue_full, lanes_busy).", s.rejected),
             ("skiff_scheduler_cancelled", "Jobs cancelled (cancel op, lost peer).", s.cancelled),

@@ -26,7 +26,7 @@ from protocol.envelope import VERSION, event_reply, ok_reply
 from .api.ops import OPS
 from .api.validate import Context
 from .chain.setup import StagePlan, link_for
-from .config import WorkerConfig
+from .config import WorkerConfig, park_bytes
 from .core.chat import ChatTemplate
 from .core.jobs.base import Event, Failure, Job, Outbox, Output, Tensors, Ticket
 from .core.scheduler import Scheduler, SchedulerConfig
@@ -34,9 +34,16 @@ from .core.speculative import DraftModel
 from .engine import Engine, LlamaGrammars
 from .engine.media import Projector
 from .runtime import RuntimeState
+from .runtime.park import Park
 from .spec import GrammarChecker
 
 _log = get_logger("skiff.worker")
+
+
+def _park(cfg: WorkerConfig) -> Park | None:
+    """The park of ``--park-bytes`` / ``--park-dir``; None when parking is off."""
+    limit = park_bytes(cfg)
+    return Park(limit, cfg.park_dir or None) if limit > 0 or cfg.park_dir else None
 
 
 class LlmService:
@@ -66,6 +73,7 @@ class LlmService:
             tail=self.link,
             tap_layer=stage.tap_layer if stage else None,
             n_layer=stage.n_layer if stage else None,
+            park=_park(cfg) if not stage else None,
         )
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
         # Every limit on what a peer controls; per-lane ones resolved to cells.
@@ -152,7 +160,8 @@ class LlmService:
 
     def housekeeping(self, now: float) -> None:
         """Drop named sessions nobody used for ``session_idle_s`` (gone peers' lanes)."""
-        for session in list(self.rt.lanes.sessions.values()):
+        parked = self.rt.park.sessions() if self.rt.park is not None else []
+        for session in [*self.rt.lanes.sessions.values(), *parked]:
             idle = now - session.last_used
             if idle > self.cfg.session_idle_s and not self.sched.knows_session(session.id):
                 self.rt.drop(session.id)
@@ -194,6 +203,7 @@ class LlmService:
                 "max_request_bytes": self.cfg.max_request_bytes,
                 "max_queue": self.cfg.max_queue,
                 **self.limits.as_dict(),
+                "park_bytes": self.rt.park.limit if self.rt.park is not None else 0,
             },
             "protocol": VERSION,
             **(self.chain_info() or {}),

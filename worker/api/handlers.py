@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from edge import Request
-from faults import BadRequest, SessionNotActive
+from faults import BadRequest
 from protocol.envelope import Op
 
 from ..core.jobs.batch import AtomicBatchJob, BatchEntry
@@ -222,8 +222,9 @@ def _session_op(app: App, req: Request, op: str) -> None:
         count = get_int(req.args, "token_count", lo=0)
     elif op == "signal_window":
         count = get_int(req.args, "window_tokens", lo=1, hi=4096)
-    if app.rt.lanes.get(session) is None and not app.sched.knows_session(session):
-        raise SessionNotActive(f"session {session!r} is not active")
+    evicted_drop = op == "drop" and app.rt.was_evicted(session)  # frees the name
+    if app.rt.known(session) is None and not app.sched.knows_session(session) and not evicted_drop:
+        raise app.rt.not_active(session)
     app.submit(SessionOpJob(app.ticket(req), session, op, count))
 
 

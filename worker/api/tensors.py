@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from edge import Request
-from faults import BadRequest, ContextOverflow, SessionNotActive
+from faults import BadRequest, ContextOverflow
 from protocol.envelope import Op
 
 from ..core.jobs.base import Tensors
@@ -73,8 +73,8 @@ def h_embed(app: App, req: Request) -> dict[str, Any] | None:
 
 def h_export_state(app: App, req: Request) -> dict[str, Any] | None:
     session = get_session(req.session)
-    if app.rt.lanes.get(session) is None and not app.sched.knows_session(session):
-        raise SessionNotActive(f"session {session!r} is not active")
+    if app.rt.known(session) is None and not app.sched.knows_session(session):
+        raise app.rt.not_active(session)
     app.submit(ExportStateJob(app.ticket(req), [session]))
     return None
 

@@ -79,6 +79,8 @@ class Scheduler:
         self.outcomes = Outcomes(rt, self.stats, self._finish)
         self.peers = PeerLimits(cfg.max_sessions_per_peer, cfg.max_streams_per_peer)
         self._exclusive_last = False  # the last turn was one job's alone
+        # A session a running job holds is never parked to make room.
+        rt.pinned = self.busy.__contains__
 
     # -- intake ------------------------------------------------------------
 
@@ -159,7 +161,7 @@ class Scheduler:
             if self.outcomes.flying:
                 self.outcomes.land(_LAND_WAIT_MS)
             return
-        if self.rt.chained:
+        if self.rt.tail is not None:  # a stage: forwards go down the chain
             self.outcomes.launch(steps, owners)
             return
         self.outcomes.run(steps, owners)

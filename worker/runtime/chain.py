@@ -22,7 +22,7 @@ from faults import BadRequest, EngineFault, Fault
 from ..engine import Engine, Segment
 from ..spec import spec_to_wire
 from .lanes import Session
-from .steps import Step, StepResult
+from .steps import Step, StepResult, group_steps
 from .tail import Landed, Tail, TailResult, TailStep
 
 
@@ -35,10 +35,13 @@ class ChainHost(Protocol):
     tap_layer: int | None
     forwards: int
     tokens_evaluated: int
+    flights: dict[int, Flight]  # tail ticket -> its forward in flight
 
     def reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None: ...
 
     def check_position(self, session: Session) -> None: ...
+
+    def ensure_room(self, session: Session, n_tokens: int) -> None: ...
 
 
 def launch_chain(rt: ChainHost, steps: Sequence[Step]) -> int:
@@ -142,3 +145,39 @@ class Flight:
             for i, result in zip(indices, land_chain(rt, part, replies), strict=True):
                 results[i] = result
         self.results = results
+
+
+def launch(rt: ChainHost, steps: Sequence[Step]) -> Flight:
+    """Run this stage's layers over ``steps`` and send them down the chain
+    without waiting; ``land`` returns the flight when it comes home."""
+    assert rt.tail is not None
+    for step in steps:
+        rt.ensure_room(step.session, len(step.tokens))
+    flight = Flight(list(steps))
+    try:
+        for indices in group_steps(steps).values():
+            ticket = launch_chain(rt, [steps[i] for i in indices])
+            flight.parts[ticket] = indices
+            rt.flights[ticket] = flight
+    except BaseException:
+        for ticket in flight.parts:
+            rt.flights.pop(ticket, None)
+        raise
+    return flight
+
+
+def land(rt: ChainHost, timeout_ms: int) -> list[Flight]:
+    """Flights that came home (``results`` or ``fault`` set), waiting up to
+    ``timeout_ms`` for the first when none has."""
+    if rt.tail is None or not rt.flights:
+        return []
+    done: list[Flight] = []
+    for ticket, outcome in rt.tail.poll(timeout_ms).items():
+        flight = rt.flights.pop(ticket, None)
+        if flight is None:
+            continue  # a part of a flight whose launch failed
+        flight.outcomes[ticket] = outcome
+        if flight.complete:
+            flight.finish(rt)
+            done.append(flight)
+    return done

@@ -40,7 +40,7 @@ _CHAIN = {"downstream"}
 
 def export_session(rt: RuntimeState, session_id: SessionId) -> tuple[dict[str, Any], np.ndarray]:
     """(meta, kv bytes as a uint8 array) of a session; the session stays."""
-    session = rt.lanes.require(session_id)
+    session = rt.require(session_id)  # a parked session is restored first
     rt.check_position(session)
     kv = rt.engine.state_get(session.lane)
     sampler: dict[str, Any] | None = None
@@ -143,7 +143,7 @@ def import_session(
     edge from ``meta["sampler"]["spec"]``.
     """
     fields = check_meta(rt, meta)
-    if rt.lanes.get(session_id) is not None:
+    if rt.known(session_id) is not None:
         raise BadRequest(f"session {str(session_id)!r} exists on this worker; drop it first")
     if kv.ndim != 1 or kv.nbytes == 0:
         raise BadRequest("the kv_state part must be a non-empty byte vector")

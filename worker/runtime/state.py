@@ -15,23 +15,33 @@ Sampling and capturing a forward's output rows (``sample_row``,
 ``sampler_for``, a step's token / rows / tensors) is ``self.rows``, a
 ``RowReader`` (``outputs.py``); the prefix-cache policy and counters are in
 ``prefix.py``.
+
+With a ``Park`` (``park.py``, ``--park-bytes``) lanes are a cache over
+sessions: ``admit`` parks the least recently used idle session when a new
+one needs its lane (after the prefix cache's lanes, which are cheaper to
+lose), and restores a parked session into a lane when it is named again.
+"Idle" is the scheduler's word: ``pinned`` (set by the ``Scheduler``) says
+which sessions a running job holds; by default every session is pinned and
+nothing is parked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch
+from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch, SessionNotActive
 
 from ..engine import Engine, OutputMode, Segment
-from .chain import Flight, launch_chain
+from .chain import Flight
 from .lanes import Ephemeral, LanePool, Session, SessionId
 from .outputs import RowReader
+from .park import Park, make_room, parkable, restore
 from .prefix import MIN_PREFIX_REUSE, PrefixStats
 from .signals import window_summary
-from .steps import Step, StepResult
+from .steps import Step, StepResult, group_steps
 from .tail import Tail
 
 __all__ = ["RuntimeState"]
@@ -45,6 +55,7 @@ class RuntimeState:
         tail: Tail | None = None,
         tap_layer: int | None = None,
         n_layer: int | None = None,
+        park: Park | None = None,
     ) -> None:
         if (tail is None) != (tap_layer is None):
             raise ValueError("a stage with a next stage needs a layer tap, and only it")
@@ -57,9 +68,12 @@ class RuntimeState:
         # model is ``tail``; this engine's output is layer ``tap_layer``.
         self.tail = tail
         self.tap_layer = tap_layer
-        self._flights: dict[int, Flight] = {}  # tail ticket -> its forward in flight
+        self.flights: dict[int, Flight] = {}  # tail ticket -> its forward in flight
         if tail is not None:
             prefix_cache = 0  # a reused lane would need the same prefix downstream
+            park = None  # a stage's cells are one part of a session spread down the chain
+        self.park = park
+        self.pinned: Callable[[SessionId], bool] = lambda _sid: True  # the Scheduler's busy
         self.lanes = LanePool(engine.n_seq, prefix_cache)
         self.ctx_per_lane = engine.n_ctx_per_seq
         self.tokens_evaluated = 0
@@ -70,9 +84,58 @@ class RuntimeState:
     # -- admission and lifecycle ------------------------------------------
 
     def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]:
-        sessions = self.lanes.admit(session_ids, ephemeral)
+        """Every named session in a lane, or ``LanesBusy`` and none: new ones
+        take free lanes (parking idle sessions for room), parked ones are
+        restored."""
+        ids = list(session_ids)
+        if self.park is not None:
+            for sid in ids:
+                if self.was_evicted(sid):  # never a fresh session in its place
+                    raise self.not_active(sid)
+            make_room(self, ids)
+        sessions = self.lanes.admit(ids, ephemeral)
         self._clear_evicted()
+        if self.park is not None:
+            sessions = [restore(self, s) if s.id in self.park else s for s in sessions]
         return sessions
+
+    def lanes_for(self, session_ids: Sequence[SessionId]) -> tuple[int, int]:
+        """(lanes the sessions need, lanes they could get): free lanes plus,
+        with a park, the idle sessions' that parking would give."""
+        ids = list(session_ids)
+        room = self.lanes.free + (len(parkable(self, ids)) if self.park is not None else 0)
+        return len(self.lanes.missing(ids)), room
+
+    def known(self, session_id: SessionId) -> Session | None:
+        """A session this worker holds, in a lane or parked (left where it is)."""
+        session = self.lanes.get(session_id)
+        if session is None and self.park is not None:
+            session = self.park.get(session_id)
+        return session
+
+    def require(self, session_id: SessionId) -> Session:
+        """A session in a lane (restored first when parked), else ``SessionNotActive``."""
+        session = self.lanes.get(session_id)
+        if session is not None:
+            return session
+        if self.park is not None and session_id in self.park:
+            (session,) = self.admit([session_id])
+            return session
+        raise self.not_active(session_id)
+
+    def was_evicted(self, session_id: SessionId) -> bool:
+        """Parked, then evicted past ``--park-bytes``: named, it is refused until dropped."""
+        return self.park is not None and self.park.was_evicted(session_id)
+
+    def not_active(self, session_id: SessionId) -> SessionNotActive:
+        """The error for naming a session this worker does not hold."""
+        if self.was_evicted(session_id):
+            return SessionNotActive(
+                f"session {str(session_id)!r} was evicted from the park (--park-bytes "
+                "is full and there is no --park-dir); its state is gone: drop it to start "
+                "it again"
+            )
+        return SessionNotActive(f"session {str(session_id)!r} is not active")
 
     def admit_prompt(
         self,
@@ -96,6 +159,9 @@ class RuntimeState:
         known = self.lanes.get(session_id)
         if known is not None:
             return known, 0
+        if self.park is not None and session_id in self.park:
+            (restored,) = self.admit([session_id])
+            return restored, 0
         cached = reuse and self.lanes.cached > 0
         match = self.lanes.best_prefix(prompt, len(prompt) - 1) if cached else None
         common = match[1] if match is not None else 0
@@ -154,7 +220,16 @@ class RuntimeState:
     def drop(self, session_id: SessionId) -> None:
         """End a session. Its lane keeps its KV for the prefix cache when the
         session's tokens provably match the engine's cells; otherwise it is cleared."""
-        session = self.lanes.require(session_id)
+        parked = self.park.drop(session_id) if self.park is not None else None
+        if self.park is not None and self.park.forget_eviction(session_id):
+            return  # dropping an evicted session ends it: the name is free again
+        if parked is not None:
+            if parked.sampler is not None:
+                parked.sampler.free()
+            return
+        session = self.lanes.get(session_id)
+        if session is None:
+            raise self.not_active(session_id)
         if session.sampler is not None:
             session.sampler.free()
         keep = bool(session.tokens) and self.lanes.cache_limit > 0 and self._consistent(session)
@@ -170,7 +245,7 @@ class RuntimeState:
 
     def trim(self, session_id: SessionId, token_count: int) -> int:
         """Drop KV at and beyond ``token_count``; the session ends there."""
-        session = self.lanes.require(session_id)
+        session = self.require(session_id)
         if token_count > session.position:
             raise BadRequest(
                 f"cannot trim session {str(session_id)!r} at {session.position} "
@@ -195,7 +270,7 @@ class RuntimeState:
 
     def align(self, session_id: SessionId, token_count: int) -> tuple[int | None, int | None]:
         """Trim only when the session is ahead of ``token_count``."""
-        session = self.lanes.require(session_id)
+        session = self.require(session_id)
         before = session.position
         if before <= token_count:
             return None, None
@@ -230,7 +305,7 @@ class RuntimeState:
         assert self.tail is None, "a chained runtime runs launch / land, not forward"
         for step in steps:
             self.ensure_room(step.session, len(step.tokens))
-        groups = _groups(steps)
+        groups = group_steps(steps)
         results: list[StepResult] = [StepResult() for _ in steps]
         for (_, hidden, non_causal), indices in groups.items():
             part = [steps[i] for i in indices]
@@ -242,7 +317,7 @@ class RuntimeState:
     def signals(self, session_id: SessionId, op: str, window_tokens: int = 0) -> dict[str, Any]:
         """``signal`` (the last sampled token's) or ``signal_window``; a stage
         without the last layer asks the next stage, where sampling happens."""
-        session = self.lanes.require(session_id)
+        session = self.require(session_id)
         if self.tail is not None:
             return self.tail.session_query(op, str(session_id), window_tokens)
         if op == "signal_window":
@@ -251,47 +326,6 @@ class RuntimeState:
             raise BadRequest(f"session {str(session_id)!r} has no sampled token yet")
         last: dict[str, Any] = session.signals[-1].as_dict()
         return last
-
-    # -- forwards through a pipeline chain, asynchronously ----------------------------
-
-    @property
-    def chained(self) -> bool:
-        """True when forwards can go out asynchronously (``launch`` / ``land``)."""
-        return self.tail is not None
-
-    def launch(self, steps: Sequence[Step]) -> Flight:
-        """Run this stage's layers over ``steps`` and send them down the chain
-        without waiting; ``land`` returns the flight when it comes home."""
-        assert self.tail is not None
-        for step in steps:
-            self.ensure_room(step.session, len(step.tokens))
-        flight = Flight(list(steps))
-        try:
-            for indices in _groups(steps).values():
-                ticket = launch_chain(self, [steps[i] for i in indices])
-                flight.parts[ticket] = indices
-                self._flights[ticket] = flight
-        except BaseException:
-            for ticket in flight.parts:
-                self._flights.pop(ticket, None)
-            raise
-        return flight
-
-    def land(self, timeout_ms: int) -> list[Flight]:
-        """Flights that came home (``results`` or ``fault`` set), waiting up
-        to ``timeout_ms`` for the first when none has."""
-        if self.tail is None or not self._flights:
-            return []
-        done: list[Flight] = []
-        for ticket, outcome in self.tail.poll(timeout_ms).items():
-            flight = self._flights.pop(ticket, None)
-            if flight is None:
-                continue  # a part of a flight whose launch failed
-            flight.outcomes[ticket] = outcome
-            if flight.complete:
-                flight.finish(self)
-                done.append(flight)
-        return done
 
     def _forward_group(
         self, steps: Sequence[Step], hidden: bool, non_causal: bool = False
@@ -369,16 +403,17 @@ class RuntimeState:
                 {"lane": s.lane, "session": str(s.id), "position": s.position}
                 | ({"ephemeral": True} if isinstance(s.id, Ephemeral) else {})
                 for s in sorted(self.lanes.sessions.values(), key=lambda s: s.lane)
+            ]
+            + [
+                {"lane": None, "session": str(s.id), "position": s.position, "parked": True}
+                for s in (self.park.sessions() if self.park is not None else ())
             ],
             "prefix_cache": {
                 "lanes_cached": self.lanes.cached,
                 "limit": self.lanes.cache_limit,
-                "hits": self.prefix.hits,
-                "misses": self.prefix.misses,
-                "reused_tokens": self.prefix.reused_tokens,
-                "evictions": self.prefix.evictions,
-                "refused_window": self.prefix.refused_window,
+                **dataclasses.asdict(self.prefix),
             },
+            "park": self.park.stats() if self.park is not None else None,
             "tokens_evaluated": self.tokens_evaluated,
             "uptime_s": round(time.monotonic() - self.started, 3),
         }
@@ -391,11 +426,3 @@ def _output_rows(step: Step) -> OutputMode:
     if step.all_rows or step.capture_all:
         return "all"
     return "last" if step.sample or step.outputs else "none"
-
-
-def _groups(steps: Sequence[Step]) -> dict[tuple[bool, bool, bool], list[int]]:
-    """Step indices by ``Step.group``: the steps that can share a ``llama_decode``."""
-    groups: dict[tuple[bool, bool, bool], list[int]] = {}
-    for index, step in enumerate(steps):
-        groups.setdefault(step.group, []).append(index)
-    return groups

@@ -77,3 +77,11 @@ class StepResult:
     error: BadRequest | None = None  # this step's sampling failed
     row_tokens: list[int] | None = None  # ``rule``: the rows' sampled tokens, in order
     row_logprobs: list[dict[str, Any] | None] | None = None  # per row token (top_logprobs)
+
+
+def group_steps(steps: Sequence[Step]) -> dict[tuple[bool, bool, bool], list[int]]:
+    """Step indices by ``Step.group``: the steps that can share a ``llama_decode``."""
+    groups: dict[tuple[bool, bool, bool], list[int]] = {}
+    for index, step in enumerate(steps):
+        groups.setdefault(step.group, []).append(index)
+    return groups

@@ -59,16 +59,16 @@ class AtomicBatchJob(Job):
         self.bound: list[Session] = []
 
     def start(self, rt: RuntimeState) -> bool:
-        missing = rt.lanes.missing(self.sessions)
-        if len(missing) > rt.lanes.free:
+        need, room = rt.lanes_for(self.sessions)
+        if need > room:
             raise LanesBusy(
-                f"{self.label} requires {len(missing)} new sessions but only "
-                f"{rt.lanes.free} execution lanes are available"
+                f"{self.label} requires {need} new sessions but only "
+                f"{room} execution lanes are available"
             )
         # Check every precondition before admitting anyone, so a refused
         # request leaves no half-admitted sessions behind.
         for index, entry in enumerate(self.entries):
-            known = rt.lanes.get(entry.session_id)
+            known = rt.known(entry.session_id)
             position = known.position if known else 0
             want = self.start_positions.get(index)
             if want is not None and want != position:

@@ -103,7 +103,7 @@ class GenerateJob(Job):
 
     def start(self, rt: RuntimeState) -> bool:
         (sid,) = self.sessions
-        known = rt.lanes.get(sid)
+        known = rt.known(sid)  # in a lane or parked: a continuation either way
         if isinstance(self.prompt, str):
             fresh = known is None or (known.position == 0 and not known.pending)
             prompt = rt.engine.tokenize(self.prompt, add_special=fresh, parse_special=False)
@@ -350,7 +350,7 @@ class ChatJob(GenerateJob):
 
     def start(self, rt: RuntimeState) -> bool:
         (sid,) = self.sessions
-        prior = rt.lanes.get(sid)
+        prior = rt.known(sid)
         if prior is not None and (prior.position > 0 or prior.pending):
             assert isinstance(self.prompt, list)
             tokens = self.prompt

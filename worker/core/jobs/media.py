@@ -35,8 +35,9 @@ from .generate import GenerateJob
 def _admission(rt: RuntimeState, sid: SessionId) -> tuple[Session | None, list[int]]:
     """The session if it exists (and its pending token), refusing at once
     when a new one could not get a lane: nothing is tokenized for nothing."""
-    known = rt.lanes.get(sid)
-    if known is None and rt.lanes.free < 1:
+    known = rt.known(sid)
+    need, room = rt.lanes_for([sid])
+    if need > room:
         raise LanesBusy("no free lane for a new session")
     return known, list(known.pending) if known is not None else []
 
