@@ -35,6 +35,7 @@ class Op(StrEnum):
     GENERATE = "generate"
     CHAT = "chat"
     CANCEL = "cancel"
+    SUSPEND = "suspend"
     VERIFY = "verify"
     SIGNAL = "signal"
     SIGNAL_WINDOW = "signal_window"

@@ -27,11 +27,13 @@ class _Rt:
         self.engine = _Engine(pieces)
 
 
-def _job(stop: list[str], max_tokens: int = 50) -> tuple[GenerateJob, _Sent]:
+def _job(stop: list[str], max_tokens: int = 50, resume: Any = None) -> tuple[GenerateJob, _Sent]:
     outbox = Outbox()
     sent = _Sent(outbox)
     ticket = Ticket(b"p", 1, "generate", outbox)
-    job = GenerateJob(ticket, "s", False, [5], max_tokens, None, stop, set(), False, True, 256)
+    job = GenerateJob(
+        ticket, "s", False, [5], max_tokens, None, stop, set(), False, True, 256, resume=resume
+    )
     job.session = Session("s", 0, position=1)
     job.tokens = [5]
     return job, sent
@@ -102,3 +104,42 @@ def test_eos_ends_with_stop_and_is_not_shown() -> None:
     assert [h["token"] for h in sent if h.get("event") == "token"] == [40]
     assert sent[-1]["finish_reason"] == "stop"
     assert sent[-1]["usage"]["completion_tokens"] == 1
+
+
+class _RenamingRt(_Rt):
+    def rename(self, old: Any, new: str) -> Session:
+        raise AssertionError("a named session keeps its name")
+
+
+def _suspend_and_resume(
+    pieces: dict[int, bytes], stop: list[str], before: list[int], after: list[int], max_tokens: int
+) -> list[dict[str, Any]]:
+    """Run ``before``, suspend, resume a new job from the event, run ``after``;
+    the headers a client sees (the ``suspended`` event is the gateway's)."""
+    from worker.core.suspend import Resume
+
+    rt = _RenamingRt(pieces)
+    job, sent = _job(stop, max_tokens)
+    _run(job, rt, before)
+    job.on_suspend(rt)  # type: ignore[arg-type]
+    (suspended,) = [h for h in sent if h.get("event") == "suspended"]
+    assert job.session is not None and job.session.pending == [before[-1]]
+    resumed, sent2 = _job(stop, max_tokens, Resume(**suspended["resume"]))
+    resumed.session = Session("s", 0, position=job.session.position)
+    resumed.tokens = [before[-1]]
+    _run(resumed, rt, after)
+    return [h for h in sent if h.get("event") != "suspended"] + list(sent2)
+
+
+def test_held_text_and_a_partial_character_travel_with_a_suspended_stream() -> None:
+    euro = "€".encode()
+    pieces = {50: b"say wo", 51: euro[:1], 52: euro[1:] + b"w", 53: b"!"}
+    tokens = [50, 51, 52, 53]
+    whole, sent = _job(["world"], max_tokens=4)
+    _run(whole, _Rt(pieces), tokens)
+    reference = list(sent)
+    for cut in (1, 2, 3):  # after "wo" is held; after half a character; both
+        moved = _suspend_and_resume(pieces, ["world"], tokens[:cut], tokens[cut:], 4)
+        assert [h.get("text") for h in moved] == [h.get("text") for h in reference]
+        assert moved[-1]["usage"] == reference[-1]["usage"]
+        assert moved[-1]["finish_reason"] == "length"

@@ -239,7 +239,7 @@ class LlmService:
 
 # Ops a draining worker still serves (besides ping/info/stats/cancel): they
 # move or release sessions it holds, so a gateway can take them elsewhere.
-_DRAIN_OPS = frozenset({"export_state", "drop"})
+_DRAIN_OPS = frozenset({"export_state", "drop", "suspend"})
 
 # Ops a stage that is not the first serves (its peer is the previous stage).
 _DOWNSTREAM_OPS = {

@@ -24,6 +24,7 @@ from ..core.jobs.generate import ChatJob, GenerateJob
 from ..core.jobs.media import MediaGenerateJob
 from ..core.media_feed import MediaPrompt
 from ..core.speculative import Drafter, PromptLookup
+from ..core.suspend import Resume
 from ..limits import check
 from ..runtime import Ephemeral, SessionId
 from .app import App, Handler
@@ -62,6 +63,42 @@ class _Speculative(Field):
         return Speculation(**got)
 
 
+@dataclass(frozen=True)
+class _Utf8Tail(Field):
+    """The bytes of a partial UTF-8 character (at most 3)."""
+
+    default: bytes = b""
+
+    def read(self, where: str, value: Any, ctx: Context) -> bytes:
+        if not isinstance(value, bytes) or len(value) > 3:
+            raise BadRequest(f"{where} must be at most 3 bytes (a partial UTF-8 character)")
+        return value
+
+
+@dataclass(frozen=True)
+class _Resume(Field):
+    """``resume``: where a stream suspended on another worker stood."""
+
+    nil_ok: bool = True
+
+    def read(self, where: str, value: Any, ctx: Context) -> Resume:
+        if not isinstance(value, dict):
+            raise BadRequest(f"{where} must be a map (a suspended event's resume)")
+        return Resume(**read_fields(value, _RESUME, ctx, f"{where}.", known="resume"))
+
+
+_COUNT = Int(0, lo=0, hi=1 << 31)
+_RESUME: Final[dict[str, Field]] = {
+    "completion_tokens": _COUNT,
+    "prompt_tokens": _COUNT,
+    "cached_tokens": _COUNT,
+    "held": Str("", max_len=1 << 16),
+    "utf8": _Utf8Tail(),
+    "drafted": _COUNT,
+    "accepted": _COUNT,
+    "ephemeral": Bool(False),
+}
+
 _MAX_DRAFT = Int(8, lo=1, hi=64)
 _SPECULATION: Final[dict[str, dict[str, Field]]] = {
     "prompt_lookup": {"mode": Str(), "max_draft": _MAX_DRAFT, "ngram": Int(3, lo=1, hi=16)},
@@ -83,6 +120,7 @@ GENERATION: Final[dict[str, Field]] = {
     "stream": Bool(True),
     "logprobs": Bool(False),
     "top_logprobs": Int(0, lo=0, hi=20),
+    "resume": _Resume(),
 }
 
 
@@ -129,6 +167,7 @@ def read_generation(app: App, req: Request) -> Generation:
         top_logprobs=got["top_logprobs"] if got["logprobs"] else None,
         outputs=outputs,
         prompt=got["prompt"] if got["prompt"] is not None else got["tokens"],
+        resume=got["resume"],
     )
 
 
@@ -144,10 +183,11 @@ def generate_job(
     """The one function that builds a generation's job from its request."""
     # An ephemeral id is not a string, so no peer can name it (see ``Ephemeral``).
     session: SessionId = gen.session if gen.session is not None else next_ephemeral()
+    resumed_ephemeral = gen.resume is not None and gen.resume.ephemeral
     return make(
         app.ticket(req),
         session,
-        ephemeral=gen.session is None,
+        ephemeral=gen.session is None or resumed_ephemeral,
         prompt=prompt,
         max_tokens=gen.max_tokens,
         spec=gen.spec,
@@ -160,6 +200,7 @@ def generate_job(
         top_logprobs=gen.top_logprobs,
         outputs=gen.outputs,
         prompt_limit=app.prompt_limit,
+        resume=gen.resume,
     )
 
 
@@ -168,6 +209,11 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
     holding one marker per item."""
     args = req.args
     has_prompt, has_tokens = "prompt" in args, "tokens" in args
+    if "resume" in args:  # the session's pending tokens are the prompt
+        if has_prompt or has_tokens or "media" in args or req.session is None:
+            raise BadRequest("a generate with resume names its session and takes no prompt")
+        app.submit(generate_job(app, req, read_generation(app, req), []))
+        return None
     if "media" in args:
         projector_of(app)  # no projector: unsupported, whatever else is wrong
         if not has_prompt or has_tokens:

@@ -253,6 +253,13 @@ def h_signal_window(app: App, req: Request) -> dict[str, Any] | None:
     return None
 
 
+def h_suspend(app: App, req: Request) -> dict[str, Any] | None:
+    """``suspend``: one of this peer's streams stops between two tokens with a
+    ``suspended`` event carrying ``resume`` (a gateway moving it)."""
+    target = get_int(req.args, "id")
+    return {"suspended": app.sched.suspend(req.peer, target)}
+
+
 def h_cancel(app: App, req: Request) -> dict[str, Any] | None:
     target = get_int(req.args, "id")
     return {"cancelled": app.sched.cancel(req.peer, target)}
@@ -273,6 +280,7 @@ HANDLERS: dict[str, Handler] = {
     Op.ALIGN: h_align,
     Op.DROP: h_drop,
     Op.CANCEL: h_cancel,
+    Op.SUSPEND: h_suspend,
     Op.VERIFY: h_verify,
     Op.SIGNAL: h_signal,
     Op.SIGNAL_WINDOW: h_signal_window,

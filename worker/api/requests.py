@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..core.suspend import Resume
 from ..spec import SamplerSpec
 
 
@@ -41,3 +42,4 @@ class Generation:
     top_logprobs: int | None  # None: no logprobs
     outputs: tuple[str, ...]  # tensors of the row each token was sampled from
     prompt: str | list[int] | None = None  # generate's prompt or tokens; None for chat
+    resume: Resume | None = None  # a stream suspended on another worker, going on here

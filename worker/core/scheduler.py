@@ -110,6 +110,25 @@ class Scheduler:
                 return True
         return False
 
+    def suspend(self, owner: Hashable, req_id: int) -> bool:
+        """Ask one of ``owner``'s streams to stop between two turns and hand
+        its state over (``Job.on_suspend``: a ``suspended`` final event). A
+        stream still queued ends at once with ``resume: None`` (it can simply
+        be sent elsewhere). False when there is no such stream, or it cannot
+        move (its sampler state does not travel)."""
+        for job in list(self.pending):
+            if job.ticket.owner == owner and job.ticket.id == req_id and job.suspendable():
+                self.pending.remove(job)
+                job.ticket.event({"event": "suspended", "done": True, "resume": None})
+                job.release(self.rt)
+                return True
+        for job in self.active:
+            mine = job.ticket.owner == owner and job.ticket.id == req_id
+            if mine and not job.cancelled and job.suspendable():
+                job.suspend = True
+                return True
+        return False
+
     def cancel_owner(self, owner: Hashable) -> int:
         """Cancel every job of one owner (a peer that went away or stopped reading);
         the sessions it admitted stop counting against it."""
@@ -178,6 +197,12 @@ class Scheduler:
         for job in list(self.active):
             if job in self.outcomes.flying_jobs:
                 continue  # reaped once its forward lands
+            if job.suspend and not job.cancelled and job.suspendable():
+                held = list(job.sessions)  # a sessionless stream's session is renamed
+                job.on_suspend(self.rt)
+                self.busy.difference_update(held)
+                self._finish(job, None)
+                continue
             reason = self._stop_reason(job, now, queued=False)
             if reason is None:
                 continue

@@ -106,6 +106,16 @@ class RuntimeState:
         room = self.lanes.free + (len(parkable(self, ids)) if self.park is not None else 0)
         return len(self.lanes.missing(ids)), room
 
+    def rename(self, old: SessionId, new: str) -> Session:
+        """Give a session in a lane another id (a suspended sessionless
+        stream's session gets a name a peer can export it by)."""
+        if new in self.lanes.sessions or self.known(new) is not None:
+            raise BadRequest(f"session {new!r} exists")
+        session = self.lanes.sessions.pop(old)
+        session.id = new
+        self.lanes.sessions[new] = session
+        return session
+
     def known(self, session_id: SessionId) -> Session | None:
         """A session this worker holds, in a lane or parked (left where it is)."""
         session = self.lanes.get(session_id)

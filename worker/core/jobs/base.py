@@ -176,6 +176,7 @@ class Job:
         self.ticket = ticket
         self.sessions = tuple(sessions)
         self.cancelled = False
+        self.suspend = False  # asked to stop at a token boundary and hand its state over
 
     def start(self, rt: RuntimeState) -> bool:
         """Admit sessions and check preconditions. True = already finished."""
@@ -204,6 +205,15 @@ class Job:
 
     def on_cancel(self, rt: RuntimeState) -> None:
         self.ticket.fail(Cancelled("request cancelled"))
+
+    def suspendable(self) -> bool:
+        """Whether ``suspend`` can end this job here and let it continue on
+        another worker (only streamed generations can)."""
+        return False
+
+    def on_suspend(self, rt: RuntimeState) -> None:
+        """End at a token boundary with the state a continuation needs."""
+        raise NotImplementedError
 
     def release(self, rt: RuntimeState) -> None:
         """Called once when the job leaves the scheduler, however it ended."""

@@ -12,6 +12,15 @@ The last sampled token is not in the KV cache when generation ends (it was
 never fed back). For a named session we remember it as ``pending`` and feed
 it in front of the next ``generate`` prompt, so multi-turn continuation sees
 exactly the text it was shown.
+
+A running stream can move to another worker (``suspend``, a gateway's
+drain): between two turns the job ends with a ``suspended`` event carrying
+``resume`` (tokens shown so far, usage, text held back as a possible stop,
+the UTF-8 decoder's partial character) and leaves the session with what was
+not yet fed as ``pending``; the session is exported with its sampler, and a
+``generate`` with ``resume`` on the other worker goes on from there. Rows
+are computed as if alone, so the tokens equal those of a run that never
+moved.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
 from ...runtime.rows import RowRule
 from ...spec import SamplerSpec
 from ..speculative import Drafter
+from ..suspend import Resume, moved_name
 from .base import (
     MAX_LOGIT_ROWS,
     PHASE_DECODE,
@@ -59,8 +69,10 @@ class GenerateJob(Job):
         top_logprobs: int | None = None,
         outputs: tuple[str, ...] = (),
         prompt_limit: int = 0,
+        resume: Resume | None = None,
     ) -> None:
         super().__init__(ticket, [session])
+        self.resume = resume  # continuing a stream suspended on another worker
         # most tokens a text prompt may become (--max-request-tokens); 0 = no
         # limit but the lane's. Token prompts are held to it by the handler.
         self.prompt_limit = prompt_limit
@@ -98,6 +110,11 @@ class GenerateJob(Job):
         self.rows: list[StepResult] = []  # every shown token's, for stream: false
         self.row_positions: list[int] = []
         self.n_layer = 0
+        self.shown = resume.completion_tokens if resume else 0  # before this job
+        if resume is not None:
+            self._held = resume.held
+            self._utf8.setstate((resume.utf8, 0))
+            self.drafted, self.accepted = resume.drafted, resume.accepted
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -183,7 +200,7 @@ class GenerateJob(Job):
             MAX_LOGIT_ROWS - 1,
             budget - 1,
             rt.ctx_per_lane - self.session.position - 1,
-            self.max_tokens - len(self.completion) - 1,
+            self.max_tokens - self.shown - len(self.completion) - 1,
         )
         return self.drafter.draft(self.session, self.next_token, room)
 
@@ -254,7 +271,7 @@ class GenerateJob(Job):
             self._held[len(self._held) - keep :],
         )
         self._emit(token, delta, position)
-        if len(self.completion) >= self.max_tokens or position + 1 > rt.ctx_per_lane:
+        if self.shown + len(self.completion) >= self.max_tokens or position + 1 > rt.ctx_per_lane:
             return "length"
         return None
 
@@ -304,11 +321,7 @@ class GenerateJob(Job):
         first = self.t_first or now
         summary: dict[str, Any] = {
             "finish_reason": reason,
-            "usage": {
-                "prompt_tokens": len(self.tokens),
-                "completion_tokens": len(self.completion),
-                "cached_tokens": self.cached,
-            },
+            "usage": self._usage(),
             "timings": {
                 "queue_ms": round((self.t_start - self.ticket.received) * 1000, 3)
                 if self.t_start
@@ -333,6 +346,57 @@ class GenerateJob(Job):
 
     def on_cancel(self, rt: RuntimeState) -> None:
         self._finish(rt, "cancelled")
+
+    def _usage(self) -> dict[str, int]:
+        if self.resume is not None:  # counted as if the stream had never moved
+            return {
+                "prompt_tokens": self.resume.prompt_tokens,
+                "completion_tokens": self.shown + len(self.completion),
+                "cached_tokens": self.resume.cached_tokens,
+            }
+        return {
+            "prompt_tokens": len(self.tokens),
+            "completion_tokens": len(self.completion),
+            "cached_tokens": self.cached,
+        }
+
+    # -- moving to another worker ---------------------------------------------------
+
+    def suspendable(self) -> bool:
+        """A stream whose sampler state can travel (mirostat / xtc cannot)."""
+        sampler = self.session.sampler if self.session is not None else None
+        return self.stream and (sampler is None or bool(sampler.portable))
+
+    def on_suspend(self, rt: RuntimeState) -> None:
+        """End here, between two turns: what was not fed yet (the shown
+        token, or the prompt's rest) becomes the session's ``pending``, and
+        the final event says how to go on. A sessionless stream's session
+        gets a name first, so that it can be exported like any other."""
+        session = self.session
+        assert session is not None
+        if self.next_token is not None:
+            session.pending = [self.next_token]
+        else:
+            session.pending = self.tokens[self.done :]
+        usage = self._usage()
+        resume = {
+            "completion_tokens": usage["completion_tokens"],
+            "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": usage["cached_tokens"],
+            "held": self._held,
+            "utf8": self._utf8.getstate()[0],
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+        }
+        event: dict[str, Any] = {"event": "suspended", "done": True, "resume": resume}
+        if self.ephemeral:
+            name = moved_name()
+            rt.rename(session.id, name)
+            self.sessions = (name,)
+            self.ephemeral = False  # kept for export, not dropped on release
+            resume["ephemeral"] = True
+            event["session"] = name
+        self.ticket.event(event)
 
 
 class ChatJob(GenerateJob):
