@@ -36,6 +36,7 @@ class Op(StrEnum):
     CHAT = "chat"
     CANCEL = "cancel"
     SUSPEND = "suspend"
+    HANDOFF = "handoff"
     VERIFY = "verify"
     SIGNAL = "signal"
     SIGNAL_WINDOW = "signal_window"

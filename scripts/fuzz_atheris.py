@@ -143,6 +143,9 @@ class FakeApp:
 
     stats = info
 
+    def handoff(self, done: bool) -> list[str]:
+        return []
+
 
 class FakeVoice:
     name, sample_rate = "joe", 22050

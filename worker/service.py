@@ -12,6 +12,7 @@ their class's code.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +39,9 @@ from .runtime.park import Park
 from .spec import GrammarChecker
 
 _log = get_logger("skiff.worker")
+# How long a draining worker holding named sessions waits for a peer told
+# ``leaving`` to claim them (``handoff``): a gateway answers within a loop pass.
+HANDOFF_WAIT_S = 3.0
 
 
 def _park(cfg: WorkerConfig) -> Park | None:
@@ -104,11 +108,21 @@ class LlmService:
         }
         self.requests = 0
         self.draining = False  # SIGTERM: finishing accepted work, refusing new
+        # Handing sessions over on SIGTERM: the peer that last named each
+        # session is told this worker is leaving; one that answers
+        # ``handoff`` (a gateway) gets until the drain timeout to move them.
+        self._namers: dict[str, bytes] = {}
+        self._notices: list[Outgoing] = []
+        self._leaving_at: float | None = None
+        self.claimed = False
+        self._cancelled = False
 
     # -- what handlers use ---------------------------------------------------
 
     def ticket(self, req: Request) -> Ticket:
         self.requests += 1
+        if isinstance(req.session, str):
+            self._namers[req.session] = req.peer
         return Ticket(
             owner=req.peer,
             id=req.id,
@@ -129,12 +143,13 @@ class LlmService:
         return self._handlers
 
     def has_work(self) -> bool:
-        return self.sched.has_work() or len(self.outbox) > 0
+        return self.sched.has_work() or len(self.outbox) > 0 or bool(self._notices)
 
     def turn(self) -> list[Outgoing]:
         if self.sched.has_work():
             self.sched.turn()
-        return [render_or_fail(ticket, output) for ticket, output in self.outbox.take()]
+        notices, self._notices = self._notices, []
+        return notices + [render_or_fail(t, output) for t, output in self.outbox.take()]
 
     def peer_lost(self, peer: bytes, reason: str) -> int:
         return self.sched.cancel_owner(peer)
@@ -149,13 +164,52 @@ class LlmService:
         return _DRAIN_OPS
 
     def begin_drain(self) -> None:
+        """SIGTERM: tell the peers that named the sessions held here that this
+        worker is leaving (``leaving``, a message without an id), so a gateway
+        can move them and their streams before it goes."""
         self.draining = True
+        by_peer: dict[bytes, list[str]] = {}
+        for session in self._held_sessions():
+            peer = self._namers.get(session)
+            if peer is not None:
+                by_peer.setdefault(peer, []).append(session)
+        self._notices = [
+            Outgoing(peer, {"v": VERSION, "event": "leaving", "sessions": sorted(names)})
+            for peer, names in by_peer.items()
+        ]
+        if by_peer:
+            self._leaving_at = time.monotonic()
+            _log.info(
+                "leaving_announced", peers=len(by_peer), sessions=sum(map(len, by_peer.values()))
+            )
+
+    def handoff(self, done: bool) -> list[str]:
+        """A peer takes this worker's sessions (``done``: it has taken what it
+        could); the named sessions still held."""
+        self.claimed = not done
+        return self._held_sessions()
+
+    def _held_sessions(self) -> list[str]:
+        parked = self.rt.park.sessions() if self.rt.park is not None else []
+        return [
+            str(s.id) for s in [*self.rt.lanes.sessions.values(), *parked] if isinstance(s.id, str)
+        ]
 
     def idle(self) -> bool:
-        return not self.has_work()
+        """No accepted work left, and no session waiting to be handed over:
+        a peer told ``leaving`` gets ``HANDOFF_WAIT_S`` to claim them, and a
+        claimer until it is done (the drain timeout bounds both)."""
+        if self.has_work():
+            return False
+        if self._leaving_at is None or self._cancelled or not self._held_sessions():
+            return True
+        if self.claimed:
+            return False
+        return time.monotonic() - self._leaving_at > HANDOFF_WAIT_S
 
     def cancel_all(self, reason: str) -> int:
         _log.warning("cancel_all", reason=reason)
+        self._cancelled = True  # the timeout: sessions not handed over stay behind
         return self.sched.cancel_all()
 
     def housekeeping(self, now: float) -> None:
@@ -166,6 +220,9 @@ class LlmService:
             if idle > self.cfg.session_idle_s and not self.sched.knows_session(session.id):
                 self.rt.drop(session.id)
                 _log.info("session_expired", session=str(session.id), idle_s=round(idle, 1))
+        if len(self._namers) > 2 * len(self._held_sessions()) + 1024:  # names of gone sessions
+            held = set(self._held_sessions())
+            self._namers = {s: p for s, p in self._namers.items() if s in held}
 
     # -- cheap ops ---------------------------------------------------------------
 
@@ -239,7 +296,7 @@ class LlmService:
 
 # Ops a draining worker still serves (besides ping/info/stats/cancel): they
 # move or release sessions it holds, so a gateway can take them elsewhere.
-_DRAIN_OPS = frozenset({"export_state", "drop", "suspend"})
+_DRAIN_OPS = frozenset({"export_state", "drop", "suspend", "handoff"})
 
 # Ops a stage that is not the first serves (its peer is the previous stage).
 _DOWNSTREAM_OPS = {

@@ -56,6 +56,8 @@ class App(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    def handoff(self, done: bool) -> list[str]: ...
+
 
 Handler = Callable[[App, Request], dict[str, Any] | None]
 

@@ -260,6 +260,12 @@ def h_suspend(app: App, req: Request) -> dict[str, Any] | None:
     return {"suspended": app.sched.suspend(req.peer, target)}
 
 
+def h_handoff(app: App, req: Request) -> dict[str, Any] | None:
+    """``handoff``: a peer told ``leaving`` takes this worker's sessions (the
+    drain waits for them); ``done: true`` when it has taken what it could."""
+    return {"sessions": app.handoff(get_bool(req.args, "done", False))}
+
+
 def h_cancel(app: App, req: Request) -> dict[str, Any] | None:
     target = get_int(req.args, "id")
     return {"cancelled": app.sched.cancel(req.peer, target)}
@@ -281,6 +287,7 @@ HANDLERS: dict[str, Handler] = {
     Op.DROP: h_drop,
     Op.CANCEL: h_cancel,
     Op.SUSPEND: h_suspend,
+    Op.HANDOFF: h_handoff,
     Op.VERIFY: h_verify,
     Op.SIGNAL: h_signal,
     Op.SIGNAL_WINDOW: h_signal_window,
