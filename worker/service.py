@@ -187,6 +187,8 @@ class LlmService:
         """A peer takes this worker's sessions (``done``: it has taken what it
         could); the named sessions still held."""
         self.claimed = not done
+        if done:
+            self._leaving_at = None  # nothing more to wait for
         return self._held_sessions()
 
     def _held_sessions(self) -> list[str]:
