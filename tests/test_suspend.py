@@ -39,10 +39,13 @@ def _summary(events: list[dict[str, Any]]) -> tuple[list[int], str, dict[str, An
     return tokens, text, usage
 
 
-def _moved(client: Client, args: dict[str, Any], session: str | None, after: int) -> Any:
+def _moved(
+    client: Client, args: dict[str, Any], session: str | None, after: int, op: str = "generate"
+) -> Any:
     """Stream ``args``; suspend after ``after`` tokens; move the session to a
-    new name; resume there. Returns the events the client would have seen."""
-    req = client.send("generate", session, {**args, "stream": True})
+    new name; resume there (as a ``generate``, whatever the op was, as a
+    gateway does). Returns the events the client would have seen."""
+    req = client.send(op, session, {**args, "stream": True})
     seen: list[dict[str, Any]] = []
     while sum(1 for e in seen if e.get("event") == "token") < after:
         seen.append(client.recv(req).raise_for_error().header)
@@ -59,7 +62,7 @@ def _moved(client: Client, args: dict[str, Any], session: str | None, after: int
     target = f"{source}-moved"
     client.import_state(target, exported)
     client.drop(source)
-    resumed = {k: v for k, v in args.items() if k != "prompt"}
+    resumed = {k: v for k, v in args.items() if k not in ("prompt", "messages")}
     resumed["resume"] = suspended["resume"]
     rest = [r.header for r in client.generate(resumed, session=target)]
     if not suspended["resume"].get("ephemeral"):
@@ -78,6 +81,19 @@ def test_a_suspended_stream_continues_as_if_it_never_moved(
     client.drop("ref")
     moved = _summary(_moved(client, args, "mv", after=9))
     assert moved == reference
+
+
+def test_a_chat_stream_keeps_its_end_of_turn_stop(client: Client) -> None:
+    """A chat moves on as a ``generate``; the template's stops travel in
+    ``resume``, so it still ends at the end of its turn."""
+    args = {
+        "messages": [{"role": "user", "content": "Name three colours, briefly."}],
+        "max_tokens": 48,
+        "sampling": SEEDED,
+    }
+    reference = _summary([r.header for r in client.stream("chat", "cref", args)])
+    client.drop("cref")
+    assert _summary(_moved(client, args, "cmv", after=3, op="chat")) == reference
 
 
 def test_a_sessionless_stream_moves_too(client: Client) -> None:

@@ -76,6 +76,20 @@ class _Utf8Tail(Field):
 
 
 @dataclass(frozen=True)
+class _Strings(Field):
+    """Non-empty strings (the stops a suspended stream had in force)."""
+
+    default: tuple[str, ...] = ()
+
+    def read(self, where: str, value: Any, ctx: Context) -> tuple[str, ...]:
+        if not isinstance(value, list) or len(value) > 256:
+            raise BadRequest(f"{where} must be a list of at most 256 strings")
+        if not all(isinstance(s, str) and 0 < len(s) <= 4096 for s in value):
+            raise BadRequest(f"{where} must hold non-empty strings of at most 4096 characters")
+        return tuple(value)
+
+
+@dataclass(frozen=True)
 class _Resume(Field):
     """``resume``: where a stream suspended on another worker stood."""
 
@@ -84,7 +98,9 @@ class _Resume(Field):
     def read(self, where: str, value: Any, ctx: Context) -> Resume:
         if not isinstance(value, dict):
             raise BadRequest(f"{where} must be a map (a suspended event's resume)")
-        return Resume(**read_fields(value, _RESUME, ctx, f"{where}.", known="resume"))
+        got = read_fields(value, _RESUME, ctx, f"{where}.", known="resume")
+        got["stop_tokens"] = tuple(got["stop_tokens"])
+        return Resume(**got)
 
 
 _COUNT = Int(0, lo=0, hi=1 << 31)
@@ -97,6 +113,8 @@ _RESUME: Final[dict[str, Field]] = {
     "drafted": _COUNT,
     "accepted": _COUNT,
     "ephemeral": Bool(False),
+    "stop": _Strings(),
+    "stop_tokens": Tokens((), max_len=1024, allow_empty=True),
 }
 
 _MAX_DRAFT = Int(8, lo=1, hi=64)
@@ -212,7 +230,13 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
     if "resume" in args:  # the session's pending tokens are the prompt
         if has_prompt or has_tokens or "media" in args or req.session is None:
             raise BadRequest("a generate with resume names its session and takes no prompt")
-        app.submit(generate_job(app, req, read_generation(app, req), []))
+        gen = read_generation(app, req)
+        assert gen.resume is not None
+        extra = gen.resume  # the stops in force where it ran (a chat's end of turn)
+        job = generate_job(
+            app, req, gen, [], stop_tokens_extra=extra.stop_tokens, stop_extra=extra.stop
+        )
+        app.submit(job)
         return None
     if "media" in args:
         projector_of(app)  # no projector: unsupported, whatever else is wrong

@@ -24,6 +24,10 @@ class Resume:
     drafted: int = 0  # speculative decoding's counts so far
     accepted: int = 0
     ephemeral: bool = False  # a sessionless stream: its session ends with it
+    # The stops in force (a chat's template adds its end of turn to the
+    # request's): the stream goes on as a ``generate`` that keeps them.
+    stop: tuple[str, ...] = ()
+    stop_tokens: tuple[int, ...] = ()
 
 
 def moved_name() -> str:

@@ -387,6 +387,8 @@ class GenerateJob(Job):
             "utf8": self._utf8.getstate()[0],
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "stop": list(self.stop),
+            "stop_tokens": sorted(self.stop_tokens),
         }
         event: dict[str, Any] = {"event": "suspended", "done": True, "resume": resume}
         if self.ephemeral:
