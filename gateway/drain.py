@@ -8,24 +8,34 @@ the gateway's loop and without blocking it:
 2. ask it for ``stats``; for each named session it holds (its list and the
    affinity table's), one at a time:
    a. *hold* the session: its new requests wait in the gateway;
-   b. wait until the session has nothing in flight (a running ``generate``
-      on it finishes first);
+   b. *suspend* its running streams (``suspend``: each stops between two
+      tokens with a ``suspended`` event the client never sees), then wait
+      until the session has nothing in flight;
    c. ``export_state`` on the old worker, ``import_state`` on the least
       loaded other worker with a free lane (the KV buffers pass through as
       the received frames, not copied), ``drop`` on the old worker — the
       migration of ``protocol.Client.migrate``;
-   d. point the affinity at the new worker and send the held requests on,
-      in their order of arrival.
+   d. point the affinity at the new worker, resume its suspended streams
+      there (``generate`` with ``resume``, answering the same client request:
+      the client sees one stream, to the bit the tokens of one that never
+      moved), and send the held requests on, in their order of arrival.
    A session that cannot move (no other worker with a free lane, a refused
    import) stays where it is and keeps being served there; the result
    lists it under ``failed``;
-3. wait for the worker's other requests (ephemeral generations) to finish;
+3. move sessionless streams the same way (the worker names their session
+   when it suspends them), and wait for the worker's other requests;
 4. mark it *drained*: nothing new is routed to it. A drained worker rejoins
    when it restarts (it goes down and answers again): drain, restart, done.
 
 The reply to ``gateway_drain`` comes when all of this is over:
 ``{"worker", "moved": [{"session", "to", "position"}], "failed":
 [{"session", "error"}], "seconds"}``.
+
+A worker that gets SIGTERM says ``leaving`` (a message without an id) to
+the gateway; the gateway drains it as above, first claiming its sessions
+(``handoff``: the worker waits for them) and at the end letting it go
+(``handoff done``). A stream or session that cannot move (no other worker
+up with room) finishes where it is, as before.
 
 A drain is a generator that yields ``Call`` (an internal request; it resumes
 with the reply) or ``Wait`` (a condition polled every loop tick), so the
@@ -46,6 +56,7 @@ from edge import logs
 from faults import BadRequest, Fault
 
 from .host import Host
+from .ledger import Inflight
 from .pool import LLM, WorkerConn
 
 _log = logs.get_logger("skiff.gateway.drain")
@@ -82,6 +93,9 @@ class _Task:
     waiting: Callable[[], bool] | None = None
     moved: int = 0
     session: str | None = None  # the one moving now
+    claim: bool = False  # the worker said it is leaving: claim, then release it
+    # streams asked to suspend -> their ``suspended`` event once it came
+    suspending: dict[int, tuple[Inflight, dict[str, Any]] | None] = field(default_factory=dict)
 
 
 class Drainer:
@@ -91,14 +105,36 @@ class Drainer:
         self.svc = svc
         self.tasks: list[_Task] = []
 
-    def start(self, worker: WorkerConn, done: Done) -> None:
-        if worker.draining or any(t.worker is worker for t in self.tasks):
+    def start(self, worker: WorkerConn, done: Done, claim: bool = False) -> None:
+        if any(t.worker is worker for t in self.tasks) or (worker.draining and not claim):
             raise BadRequest(f"worker {worker.name} is already draining")
-        task = _Task(worker, done)
+        task = _Task(worker, done, claim=claim)
         task.steps = self._drain(worker, task)
         self.tasks.append(task)
         _log.info("drain_started", worker=worker.name)
         self._advance(task, NOTHING)
+
+    def leaving(self, worker: WorkerConn) -> None:
+        """A worker said it is leaving (SIGTERM): move what it holds."""
+        if worker.kind != LLM or any(t.worker is worker for t in self.tasks):
+            return
+        _log.info("worker_leaving", worker=worker.name)
+
+        def done(result: dict[str, Any] | Fault) -> None:
+            if isinstance(result, Fault):
+                _log.error("leaving_drain_failed", worker=worker.name, error=str(result))
+            else:
+                _log.info("leaving_drained", moved=len(result["moved"]), failed=result["failed"])
+
+        self.start(worker, done, claim=True)
+
+    def suspended(self, rec: Inflight, header: dict[str, Any]) -> None:
+        """A stream a drain asked to stop has stopped; its task goes on with it."""
+        for task in self.tasks:
+            if rec.gid in task.suspending:
+                task.suspending[rec.gid] = (rec, header)
+                return
+        _log.warning("suspended_unasked", worker=rec.worker.name, id=rec.gid)
 
     def poll(self) -> None:
         """Resume tasks whose condition now holds."""
@@ -164,6 +200,8 @@ class Drainer:
         w.draining = True
         moved: list[dict[str, Any]] = []
         failed: list[dict[str, Any]] = []
+        if task.claim:
+            yield Call(w, "handoff")  # the worker now waits for us to take them
         header, _ = yield Call(w, "stats")
         listed = [
             str(s["session"])
@@ -180,8 +218,11 @@ class Drainer:
             task.session = session
             svc.hold(session)
             try:
+                if self._target(w) is not None:  # with nowhere to go, streams finish here
+                    yield from self._suspend(w, task, functools.partial(_names, session))
                 yield Wait(functools.partial(_settled, svc, w, session))
                 error, where = yield from self._move(w, session)
+                self._resume_streams(task, svc.pool.workers.get(where.get("to", "")) or w, session)
             finally:
                 task.session = None
                 svc.release(session)
@@ -192,10 +233,28 @@ class Drainer:
             else:
                 failed.append({"session": session, "error": error})
                 svc.migrated("failed")
-        # Other work ends by itself (ephemeral generations); sessions that could not
-        # move keep being served here and are not waited for.
+        # Sessionless streams: the worker names each one's session as it stops.
+        if w.up and self._target(w) is not None:
+            yield from self._suspend(w, task, lambda r: not r.sessions)
+            yield Wait(lambda: all(v is not None for v in task.suspending.values()) or not w.up)
+            for gid, got in list(task.suspending.items()):
+                del task.suspending[gid]
+                assert got is not None
+                rec, event = got
+                name = event.get("session")
+                if not isinstance(name, str):  # it had not started: send it anywhere
+                    target = self._target(w) or w
+                    svc.resume(rec, target, "", None)
+                    continue
+                error, where = yield from self._move(w, name, affinity=False)
+                went = svc.pool.workers.get(where.get("to", "")) if error is None else None
+                svc.resume(rec, went or w, name, event.get("resume"))
+        # Other work ends by itself; sessions that could not move keep being
+        # served here and are not waited for.
         stuck = frozenset(f["session"] for f in failed)
         yield Wait(lambda: svc.client_work(w, stuck) == 0 or not w.up)
+        if task.claim and w.up:
+            yield Call(w, "handoff", args={"done": True})  # it may go now
         w.drained = True
         w.draining = False
         return {
@@ -205,8 +264,32 @@ class Drainer:
             "seconds": round(time.monotonic() - task.started, 3),
         }
 
+    def _suspend(
+        self, w: WorkerConn, task: _Task, which: Callable[[Inflight], bool]
+    ) -> Generator[Call | Wait, Answer, None]:
+        """Ask ``w``'s streams that ``which`` picks to stop between two tokens."""
+        streams = [
+            r
+            for r in self.svc.ledger.inflight.values()
+            if r.worker is w and r.stream is not None and r.peer is not None and which(r)
+        ]
+        for rec in streams:
+            reply, _ = yield Call(w, "suspend", args={"id": rec.gid})
+            if (reply.get("result") or {}).get("suspended") is True:
+                task.suspending.setdefault(rec.gid, None)
+
+    def _resume_streams(self, task: _Task, target: WorkerConn, session: str) -> None:
+        """Resume the session's suspended streams on ``target`` (where it went,
+        or its old worker when it could not move)."""
+        for gid, got in list(task.suspending.items()):
+            if got is None or session not in got[0].sessions:
+                continue
+            del task.suspending[gid]
+            rec, event = got
+            self.svc.resume(rec, target, session, event.get("resume"))
+
     def _move(
-        self, w: WorkerConn, session: str
+        self, w: WorkerConn, session: str, affinity: bool = True
     ) -> Generator[Call | Wait, Answer, tuple[str | None, dict[str, Any]]]:
         """One live migration; (None, where) or (error, {})."""
         svc = self.svc
@@ -232,7 +315,8 @@ class Drainer:
             w.lanes_freed += 1
         else:
             _log.warning("drain_drop_failed", session=session, error=_error(dropped, "drop"))
-        svc.affinity.assign(session, target.name, time.monotonic(), confirmed=True)
+        if affinity:
+            svc.affinity.assign(session, target.name, time.monotonic(), confirmed=True)
         position = (imported.get("result") or {}).get("position")
         _log.info("session_moved", session=session, to=target.name, position=position)
         return None, {"session": session, "to": target.name, "position": position}
@@ -243,10 +327,15 @@ class Drainer:
             o for o in self.svc.pool.workers.values() if o is not w and o.kind == LLM and o.eligible
         ]
         roomy = [(o.candidate(), o) for o in others]
-        roomy = [(c, o) for c, o in roomy if c.free_lanes > 0]
+        # a worker with a park takes a session even with every lane running
+        roomy = [(c, o) for c, o in roomy if c.free_lanes > 0 or o.stats.get("park")]
         if not roomy:
             return None
         return min(roomy, key=lambda co: (co[0].score, co[1].name))[1]
+
+
+def _names(session: str, rec: Inflight) -> bool:
+    return session in rec.sessions
 
 
 def _settled(svc: Host, w: WorkerConn, session: str) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from edge import Request
 
 from .affinity import AffinityTable
-from .ledger import Ledger
+from .ledger import Inflight, Ledger
 from .pool import Pool, WorkerConn
 from .router import Router
 
@@ -25,6 +25,7 @@ class Host(Protocol):
     ledger: Ledger
     held: dict[str, list[Request]]  # sessions being moved -> requests waiting for them
     forwarded: int
+    streams_moved: int  # streams a drain suspended on one worker and resumed on another
     started: float
     draining: bool  # SIGTERM: relaying accepted work, refusing new
 
@@ -51,4 +52,12 @@ class Host(Protocol):
 
     def drains(self) -> list[dict[str, Any]]:
         """The drains running now."""
+        ...
+
+    def resume(
+        self, rec: Inflight, target: WorkerConn, session: str, resume: dict[str, Any] | None
+    ) -> None:
+        """Go on with a stream suspended on its worker: ``generate`` with
+        ``resume`` on ``target`` (``None``: it had not started, send it as it
+        was), answering the same client request."""
         ...

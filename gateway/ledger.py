@@ -41,6 +41,9 @@ class Inflight:
     # (new placement or sessionless, no ok reply yet): a worker that answers
     # ``shutting_down`` ran nothing, so the gateway sends it elsewhere.
     retry: Any = None
+    # A streamed generation (the request, without media): a drain can move it
+    # to another worker mid-stream (``suspend``, then ``generate`` with resume).
+    stream: Any = None
 
 
 class Ledger:

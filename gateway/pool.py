@@ -121,7 +121,8 @@ class WorkerConn:
         sent0, done0, taken0, freed0 = self._base
         outstanding = int(s.get("running", 0) or 0) + int(s.get("queued", 0) or 0)
         outstanding = max(0, outstanding + (self.sent_work - sent0) - (self.done_work - done0))
-        free = int(lanes.get("idle", 0) or 0) if lanes else 0
+        # "room" counts the lanes of sessions a worker would park (else idle ones)
+        free = int(lanes.get("room", lanes.get("idle", 0)) or 0) if lanes else 0
         free = max(0, free - (self.lanes_taken - taken0) + (self.lanes_freed - freed0))
         if total:
             running = min(outstanding, total)

@@ -62,6 +62,9 @@ _log = logs.get_logger("skiff.gateway")
 _DRAIN_OPS = frozenset({"gateway_status"})
 
 TICK_S = 0.05
+STREAM_OPS = frozenset({"generate", "chat"})  # streams a drain can move mid-way
+# What a moved stream's request loses: its prompt is in the session already.
+_PROMPT_ARGS = frozenset({"prompt", "tokens", "messages", "media", "resume"})
 
 
 class _NotSent(WorkerUnavailable):
@@ -104,6 +107,7 @@ class GatewayService:
         self.drainer = Drainer(self)
         self.started = time.monotonic()
         self.forwarded = 0
+        self.streams_moved = 0
         self._out: list[Outgoing] = []
         self.ready: set[zmq.Socket[Any]] = set()  # worker sockets the last poll found readable
         self._next_tick = 0.0
@@ -222,6 +226,16 @@ class GatewayService:
     def worker_reply(
         self, w: WorkerConn, header: dict[str, Any], buffers: list[zmq.Frame], size: int
     ) -> None:
+        gid = header.get("id")
+        if gid is None and header.get("event") == "leaving":  # SIGTERM: take what it holds
+            self.drainer.leaving(w)
+            return
+        if header.get("event") == "suspended":  # a drain moves this stream: not the client's
+            rec = self.ledger.get(gid) if type(gid) is int else None
+            if rec is not None:
+                self.ledger.finish(rec, True)
+                self.drainer.suspended(rec, header)
+            return
         self.replies.reply(w, header, buffers, size)
 
     # -- client -> worker -----------------------------------------------------------
@@ -294,6 +308,8 @@ class GatewayService:
         rec = self.ledger.open(gid, req.peer, req.id, req.op, w, sessions, placed)
         if placed or not sessions:
             rec.retry = req
+        if req.op in STREAM_OPS and req.args.get("stream", True) is True:
+            rec.stream = req  # with media, movable once decoding (the worker says)
         self.forwarded += 1
         if req.op == "drop" and req.session is not None:
             self.affinity.drop_started(req.session)
@@ -348,6 +364,29 @@ class GatewayService:
         return None
 
     # -- what drains ask of the service (gateway/drain.py) -------------------------------
+
+    def resume(
+        self, rec: Inflight, target: WorkerConn, session: str, resume: dict[str, Any] | None
+    ) -> None:
+        req = rec.stream
+        if rec.peer is None or not isinstance(req, Request):
+            return  # its client went away
+        if resume is not None:
+            args = {k: v for k, v in req.args.items() if k not in _PROMPT_ARGS}
+            req = dataclasses.replace(
+                req, op="generate", session=session, args={**args, "resume": resume}
+            )
+        named = (session,) if not (resume or {}).get("ephemeral") else ()
+        try:
+            self._dispatch(req, target, named, placed=False)
+        except Exception as exc:
+            self._out.append(Outgoing(req.peer, failure_header(req.id, exc, req.op)))
+            return
+        moved = self.ledger.of_client(req.peer, req.id)
+        if moved is not None:
+            moved.retry = None  # its session is on ``target`` only
+        self.streams_moved += 1
+        _log.info("stream_moved", to=target.name, session=session, resumed=resume is not None)
 
     def hold(self, session: str) -> None:
         self.held.setdefault(session, [])

@@ -71,6 +71,7 @@ def gateway_stats(svc: Host) -> dict[str, Any]:
         "queued": queued,
         "in_flight": len(svc.ledger),
         "forwarded": svc.forwarded,
+        "streams_moved": svc.streams_moved,
         "held": sum(len(v) for v in svc.held.values()),
         "draining": svc.draining,
         "uptime_s": round(time.monotonic() - svc.started, 3),
@@ -114,5 +115,6 @@ def gateway_status(svc: Host) -> dict[str, Any]:
         "sessions": len(svc.affinity),
         "held": {s: len(v) for s, v in svc.held.items()},
         "drains": svc.drains(),
+        "streams_moved": svc.streams_moved,
         "workers": [worker_view(svc, w) for w in svc.pool.workers.values()],
     }

@@ -123,6 +123,14 @@ class Park:
             self._unlink(entry)
         return entry.session, kv
 
+    def peek(self, session_id: SessionId) -> tuple[Session, np.ndarray]:
+        """A parked session and its cells, left parked (an export reads them)."""
+        entry = self._entries[session_id]
+        if entry.kv is not None:
+            return entry.session, entry.kv
+        assert entry.path is not None
+        return entry.session, np.fromfile(entry.path, dtype=np.uint8)
+
     def restored(self, seconds: float) -> None:
         """Count one restore that took ``seconds`` (read and llama.cpp load)."""
         self.restores += 1

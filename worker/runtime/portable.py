@@ -39,10 +39,16 @@ _CHAIN = {"downstream"}
 
 
 def export_session(rt: RuntimeState, session_id: SessionId) -> tuple[dict[str, Any], np.ndarray]:
-    """(meta, kv bytes as a uint8 array) of a session; the session stays."""
-    session = rt.require(session_id)  # a parked session is restored first
-    rt.check_position(session)
-    kv = rt.engine.state_get(session.lane)
+    """(meta, kv bytes as a uint8 array) of a session; the session stays
+    (a parked one is read from the park: it needs no lane)."""
+    parked = rt.park is not None and rt.lanes.get(session_id) is None and session_id in rt.park
+    if parked:
+        assert rt.park is not None
+        session, kv = rt.park.peek(session_id)
+    else:
+        session = rt.require(session_id)
+        rt.check_position(session)
+        kv = rt.engine.state_get(session.lane)
     sampler: dict[str, Any] | None = None
     sampler_note: str | None = None
     if session.sampler is not None:
@@ -130,6 +136,32 @@ def _restore_sampler(rt: RuntimeState, session: Session, raw: dict[str, Any], sp
     session.sampler = sampler
 
 
+def _import_parked(
+    rt: RuntimeState,
+    session_id: SessionId,
+    meta: Any,
+    fields: dict[str, Any],
+    kv: np.ndarray,
+    sampler_spec: SamplerSpec | None,
+) -> Session:
+    """Every lane is held by running work: the imported session goes straight
+    to the park (llama.cpp sees its cells when it is first named; a state it
+    refuses then fails that request and ends the session)."""
+    assert rt.park is not None
+    if not rt.park.fits(kv.nbytes):
+        raise BadRequest("the kv_state is larger than this worker's whole park (--park-bytes)")
+    session = Session(session_id, -1)
+    session.tokens = fields["tokens"]
+    session.position = fields["position"]
+    session.pending = fields["pending"]
+    session.last_token = fields["last_token"]
+    raw = meta.get("sampler")
+    if raw is not None and sampler_spec is not None:
+        _restore_sampler(rt, session, raw, sampler_spec)
+    rt.park.put(session, np.array(kv, dtype=np.uint8, copy=True))
+    return session
+
+
 def import_session(
     rt: RuntimeState,
     session_id: SessionId,
@@ -147,6 +179,9 @@ def import_session(
         raise BadRequest(f"session {str(session_id)!r} exists on this worker; drop it first")
     if kv.ndim != 1 or kv.nbytes == 0:
         raise BadRequest("the kv_state part must be a non-empty byte vector")
+    need, room = rt.lanes_for([session_id])
+    if rt.park is not None and need > room:
+        return _import_parked(rt, session_id, meta, fields, kv, sampler_spec)
     (session,) = rt.admit([session_id])
     try:
         if rt.engine.pos_max(session.lane) >= 0:  # a cached lane's cells: not ours

@@ -408,10 +408,12 @@ class RuntimeState:
                 "total": self.lanes.n_lanes,
                 "active": self.lanes.active,
                 "idle": self.lanes.free,
+                # lanes a new session could get: idle, or an idle session's (parked)
+                "room": self.lanes_for([])[1],
             },
             "sessions": [
                 {"lane": s.lane, "session": str(s.id), "position": s.position}
-                | ({"ephemeral": True} if isinstance(s.id, Ephemeral) else {})
+                | ({"ephemeral": True} if isinstance(s.id, Ephemeral) or s.ephemeral else {})
                 for s in sorted(self.lanes.sessions.values(), key=lambda s: s.lane)
             ]
             + [

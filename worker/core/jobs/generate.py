@@ -136,6 +136,8 @@ class GenerateJob(Job):
         # A new session may start on a cached lane that holds a prefix of the
         # prompt (an earlier turn of the same chat, a shared system prompt).
         self.session, self.cached = rt.admit_prompt(sid, self.tokens, self.ephemeral)
+        if self.ephemeral:  # a moved sessionless stream's imported session, too
+            self.session.ephemeral = True
         self.done = self.cached
         rt.ensure_room(self.session, len(self.tokens) - self.done)
         self.session.pending = []

@@ -213,6 +213,12 @@ class MediaGenerateJob(GenerateJob):
         self._row = first if self.outputs else None
         return self._take_all(rt, [first.token], session.position, [first.logprobs])
 
+    def suspendable(self) -> bool:
+        """Once decoding (the media are in the KV cache); a media prompt half
+        fed cannot go on elsewhere, and a queued one carries its media only
+        in the request (the gateway does not move those)."""
+        return self.next_token is not None and super().suspendable()
+
     def fail(self, rt: RuntimeState, exc: BaseException) -> None:
         self._close()
         super().fail(rt, exc)
