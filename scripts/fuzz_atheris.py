@@ -113,6 +113,7 @@ class FakeApp:
         self.draft = None
         self.projector = None  # no --mmproj: media ops answer unsupported
         self.chunk = 128
+        self.draining = False
         try:
             from worker.limits import Limits
 

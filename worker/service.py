@@ -298,7 +298,9 @@ class LlmService:
 
 # Ops a draining worker still serves (besides ping/info/stats/cancel): they
 # move or release sessions it holds, so a gateway can take them elsewhere.
-_DRAIN_OPS = frozenset({"export_state", "drop", "suspend", "handoff"})
+# ``generate`` only with ``resume`` (a stream whose move failed goes on here):
+# its handler refuses the rest with ``shutting_down``.
+_DRAIN_OPS = frozenset({"export_state", "drop", "suspend", "handoff", "generate"})
 
 # Ops a stage that is not the first serves (its peer is the previous stage).
 _DOWNSTREAM_OPS = {

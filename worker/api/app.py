@@ -46,6 +46,7 @@ class App(Protocol):
     # Most tokens a text prompt may become (``--max-request-tokens``), held
     # when its job tokenizes it; 0: only the lane's cells bound it.
     prompt_limit: int
+    draining: bool  # SIGTERM: only work that finishes or moves accepted work is served
     projector: Projector | None  # --mmproj (media_handlers.py); None: text only
 
     def ticket(self, req: Request) -> Ticket: ...

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from edge import Request
-from faults import BadRequest, Unsupported
+from faults import BadRequest, ShuttingDown, Unsupported
 from protocol.envelope import Op
 
 from ..core.jobs.generate import ChatJob, GenerateJob
@@ -227,6 +227,8 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
     holding one marker per item."""
     args = req.args
     has_prompt, has_tokens = "prompt" in args, "tokens" in args
+    if app.draining and "resume" not in args:  # a moved stream may come back here
+        raise ShuttingDown("the worker is shutting down; send new work elsewhere")
     if "resume" in args:  # the session's pending tokens are the prompt
         if has_prompt or has_tokens or "media" in args or req.session is None:
             raise BadRequest("a generate with resume names its session and takes no prompt")
