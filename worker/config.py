@@ -11,6 +11,7 @@ import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from edge import flags
 from edge.logs import LOG_FORMATS
@@ -277,10 +278,25 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
 
 
 def park_bytes(cfg: WorkerConfig) -> int:
-    """``--park-bytes`` resolved: -1 is a quarter of the machine's memory."""
+    """``--park-bytes`` resolved: -1 is a quarter of the memory this process
+    may use (a container's cgroup limit, else the machine's RAM): a worker
+    under a 2 GiB limit must not plan on a quarter of the host."""
     if cfg.park_bytes >= 0:
         return cfg.park_bytes
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    return memory_limit() // 4
+
+
+def memory_limit() -> int:
+    """The cgroup v2 / v1 memory limit when one is set, else physical RAM."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < ram:
+            return int(text)
+    return ram
 
 
 def curve_keys(cfg: WorkerConfig) -> Curve | None:
