@@ -20,6 +20,7 @@ The CPU flags are printed first: every figure depends on them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import sys
@@ -71,8 +72,8 @@ def move_gap(tmp: Path, tokens: int, seed: int) -> tuple[float, float]:
     for ep, proc in zip(eps, workers, strict=True):
         wait_ready(ep, proc)
     gw_ep = f"ipc://{tmp}/gw{seed}.sock"
-    gateway = start(["gateway.cli", "--bind", gw_ep, *sum((["--worker", e] for e in eps), [])],
-                    tmp / f"gw{seed}.log")  # fmt: skip
+    flags = [f for e in eps for f in ("--worker", e)]
+    gateway = start(["gateway.cli", "--bind", gw_ep, *flags], tmp / f"gw{seed}.log")
     try:
         with Client(gw_ep) as c:
             c.wait_ready(60)
@@ -101,7 +102,7 @@ def move_gap(tmp: Path, tokens: int, seed: int) -> tuple[float, float]:
                     if len(stamps) == 16:
                         threading.Thread(target=drain, daemon=True).start()
             assert drained.wait(120), "the drain did not end"
-            gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:], strict=False)]
+            gaps = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
             median = statistics.median(gaps)
             return max(gaps[14:]) - median, median
     finally:

@@ -14,9 +14,9 @@ from edge import Request
 from faults import BadRequest
 from protocol import Client, SkiffError
 from worker.api.generate import h_chat
-from worker.api.validate import Context, get_messages
-from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
-from worker.core.jobs.generate import ChatJob
+from worker.api.media import get_messages
+from worker.api.validate import Context
+from worker.core.chat import FALLBACK_TEMPLATE, ChatJob, ChatTemplate
 from worker.limits import Limits
 
 SPECIAL = {"<eos>": 1, "<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106}

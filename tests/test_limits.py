@@ -23,12 +23,12 @@ from conftest import start_worker, stop_worker
 from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import Client, SkiffError, frame_limits, frames
 from worker import config
+from worker.api.media import get_messages
 from worker.api.sampling import get_sampling
 from worker.api.validate import (
     Context,
     Stops,
     get_frame,
-    get_messages,
     get_prompt_tokens,
     read_fields,
 )

@@ -12,7 +12,6 @@ their class's code.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,14 +33,13 @@ from .core.scheduler import Scheduler, SchedulerConfig
 from .core.speculative import DraftModel
 from .engine import Engine, LlamaGrammars
 from .engine.media import Projector
+from .handoff import Handoff
 from .runtime import RuntimeState
 from .runtime.park import Park
+from .runtime.report import runtime_stats
 from .spec import GrammarChecker
 
 _log = get_logger("skiff.worker")
-# How long a draining worker holding named sessions waits for a peer told
-# ``leaving`` to claim them (``handoff``): a gateway answers within a loop pass.
-HANDOFF_WAIT_S = 3.0
 
 
 def _park(cfg: WorkerConfig) -> Park | None:
@@ -108,21 +106,14 @@ class LlmService:
         }
         self.requests = 0
         self.draining = False  # SIGTERM: finishing accepted work, refusing new
-        # Handing sessions over on SIGTERM: the peer that last named each
-        # session is told this worker is leaving; one that answers
-        # ``handoff`` (a gateway) gets until the drain timeout to move them.
-        self._namers: dict[str, bytes] = {}
-        self._notices: list[Outgoing] = []
-        self._leaving_at: float | None = None
-        self.claimed = False
-        self._cancelled = False
+        self.hand = Handoff(self._held_sessions)  # SIGTERM: sessions to a claimer
 
     # -- what handlers use ---------------------------------------------------
 
     def ticket(self, req: Request) -> Ticket:
         self.requests += 1
         if isinstance(req.session, str):
-            self._namers[req.session] = req.peer
+            self.hand.named(req.session, req.peer)
         return Ticket(
             owner=req.peer,
             id=req.id,
@@ -143,12 +134,12 @@ class LlmService:
         return self._handlers
 
     def has_work(self) -> bool:
-        return self.sched.has_work() or len(self.outbox) > 0 or bool(self._notices)
+        return self.sched.has_work() or len(self.outbox) > 0 or bool(self.hand.notices)
 
     def turn(self) -> list[Outgoing]:
         if self.sched.has_work():
             self.sched.turn()
-        notices, self._notices = self._notices, []
+        notices, self.hand.notices = self.hand.notices, []
         return notices + [render_or_fail(t, output) for t, output in self.outbox.take()]
 
     def peer_lost(self, peer: bytes, reason: str) -> int:
@@ -168,28 +159,14 @@ class LlmService:
         worker is leaving (``leaving``, a message without an id), so a gateway
         can move them and their streams before it goes."""
         self.draining = True
-        by_peer: dict[bytes, list[str]] = {}
-        for session in self._held_sessions():
-            peer = self._namers.get(session)
-            if peer is not None:
-                by_peer.setdefault(peer, []).append(session)
-        self._notices = [
-            Outgoing(peer, {"v": VERSION, "event": "leaving", "sessions": sorted(names)})
-            for peer, names in by_peer.items()
-        ]
-        if by_peer:
-            self._leaving_at = time.monotonic()
-            _log.info(
-                "leaving_announced", peers=len(by_peer), sessions=sum(map(len, by_peer.values()))
-            )
+        peers, sessions = self.hand.leaving()
+        if peers:
+            _log.info("leaving_announced", peers=peers, sessions=sessions)
 
     def handoff(self, done: bool) -> list[str]:
         """A peer takes this worker's sessions (``done``: it has taken what it
         could); the named sessions still held."""
-        self.claimed = not done
-        if done:
-            self._leaving_at = None  # nothing more to wait for
-        return self._held_sessions()
+        return self.hand.claim(done)
 
     def _held_sessions(self) -> list[str]:
         parked = self.rt.park.sessions() if self.rt.park is not None else []
@@ -198,20 +175,13 @@ class LlmService:
         ]
 
     def idle(self) -> bool:
-        """No accepted work left, and no session waiting to be handed over:
-        a peer told ``leaving`` gets ``HANDOFF_WAIT_S`` to claim them, and a
-        claimer until it is done (the drain timeout bounds both)."""
-        if self.has_work():
-            return False
-        if self._leaving_at is None or self._cancelled or not self._held_sessions():
-            return True
-        if self.claimed:
-            return False
-        return time.monotonic() - self._leaving_at > HANDOFF_WAIT_S
+        """No accepted work left, and no session waiting to be handed over
+        (``handoff.py``; the drain timeout bounds the wait)."""
+        return not self.has_work() and not self.hand.waiting()
 
     def cancel_all(self, reason: str) -> int:
         _log.warning("cancel_all", reason=reason)
-        self._cancelled = True  # the timeout: sessions not handed over stay behind
+        self.hand.give_up()
         return self.sched.cancel_all()
 
     def housekeeping(self, now: float) -> None:
@@ -222,9 +192,7 @@ class LlmService:
             if idle > self.cfg.session_idle_s and not self.sched.knows_session(session.id):
                 self.rt.drop(session.id)
                 _log.info("session_expired", session=str(session.id), idle_s=round(idle, 1))
-        if len(self._namers) > 2 * len(self._held_sessions()) + 1024:  # names of gone sessions
-            held = set(self._held_sessions())
-            self._namers = {s: p for s, p in self._namers.items() if s in held}
+        self.hand.forget_gone()
 
     # -- cheap ops ---------------------------------------------------------------
 
@@ -286,7 +254,7 @@ class LlmService:
         return {"stage": mine, "chain": chain}
 
     def stats(self) -> dict[str, Any]:
-        out = self.rt.stats()
+        out = runtime_stats(self.rt)
         out.update(self.sched.stats.snapshot())
         out["running"] = len(self.sched.active)
         out["queued"] = len(self.sched.pending)

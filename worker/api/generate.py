@@ -20,7 +20,8 @@ from edge import Request
 from faults import BadRequest, ShuttingDown, Unsupported
 from protocol.envelope import Op
 
-from ..core.jobs.generate import ChatJob, GenerateJob
+from ..core.chat import ChatJob
+from ..core.jobs.generate import GenerateJob
 from ..core.jobs.media import MediaGenerateJob
 from ..core.media_feed import MediaPrompt
 from ..core.speculative import Drafter, PromptLookup

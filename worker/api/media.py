@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from edge import Request
@@ -33,13 +33,48 @@ from ..core.media_feed import MediaPrompt
 from ..engine.media import Projector
 from ..engine.media_native import Bitmap
 from ..engine.media_sniff import MediaError, image_size
+from ..limits import Limits, check
 from .app import App, Handler
 from .sampling import get_sampling
-from .validate import get_bool, get_int, get_messages, get_outputs, get_session, get_str
+from .validate import get_bool, get_int, get_outputs, get_session, get_str
 
 # Media items one request may carry (each is at least one position and an encode).
 MAX_MEDIA_ITEMS = 64
 _ITEM_KEYS = frozenset({"buffer", "mime", "width", "height"})
+
+
+def get_messages(
+    args: dict[str, Any],
+    max_chars: int,
+    most: int = Limits().max_messages,
+    parts: Callable[[list[Any], str], str] | None = None,
+) -> list[dict[str, str]]:
+    """Validate ``messages``: a non-empty list of ``{"role", "content"}`` strings,
+    at most ``most`` of them (``--max-messages``: ``limit_exceeded``). With
+    ``parts``, a content may also be a list of parts, which ``parts(list,
+    where)`` turns into the string (media chat: images become the marker)."""
+    messages = args.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list")
+    check(len(messages), most, "max_messages", "messages has {n} entries")
+    out: list[dict[str, str]] = []
+    total = 0
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequest(f"messages[{i}] must be a map")
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str) or not 0 < len(role) <= 64:
+            raise BadRequest(f"messages[{i}].role must be a non-empty string")
+        if parts is not None and isinstance(content, list):
+            content = parts(content, f"messages[{i}].content")
+        if not isinstance(content, str):
+            kinds = "a string or a list of parts" if parts is not None else "a string"
+            raise BadRequest(f"messages[{i}].content must be {kinds}")
+        total += len(content)
+        if total > max_chars:
+            raise BadRequest(f"messages are longer than {max_chars} characters")
+        out.append({"role": role, "content": content})
+    return out
 
 
 def projector_of(app: App) -> Projector:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -331,40 +331,6 @@ def get_prompt_tokens(
     ctx = Context(limits=limits, n_vocab=n_vocab, cells=cells)
     tokens: list[int] = read_fields(args, {name: PromptTokens(REQUIRED)}, ctx)[name]
     return tokens
-
-
-def get_messages(
-    args: dict[str, Any],
-    max_chars: int,
-    most: int = _DEFAULT_LIMITS.max_messages,
-    parts: Callable[[list[Any], str], str] | None = None,
-) -> list[dict[str, str]]:
-    """Validate ``messages``: a non-empty list of ``{"role", "content"}`` strings,
-    at most ``most`` of them (``--max-messages``: ``limit_exceeded``). With
-    ``parts``, a content may also be a list of parts, which ``parts(list,
-    where)`` turns into the string (media chat: images become the marker)."""
-    messages = args.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list")
-    check(len(messages), most, "max_messages", "messages has {n} entries")
-    out: list[dict[str, str]] = []
-    total = 0
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRequest(f"messages[{i}] must be a map")
-        role, content = msg.get("role"), msg.get("content")
-        if not isinstance(role, str) or not 0 < len(role) <= 64:
-            raise BadRequest(f"messages[{i}].role must be a non-empty string")
-        if parts is not None and isinstance(content, list):
-            content = parts(content, f"messages[{i}].content")
-        if not isinstance(content, str):
-            kinds = "a string or a list of parts" if parts is not None else "a string"
-            raise BadRequest(f"messages[{i}].content must be {kinds}")
-        total += len(content)
-        if total > max_chars:
-            raise BadRequest(f"messages are longer than {max_chars} characters")
-        out.append({"role": role, "content": content})
-    return out
 
 
 # Rows of logits one reply may carry (each is n_vocab floats: 1 MiB here).

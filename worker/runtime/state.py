@@ -27,7 +27,6 @@ nothing is parked.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +35,7 @@ from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch, S
 
 from ..engine import Engine, OutputMode, Segment
 from .chain import Flight
-from .lanes import Ephemeral, LanePool, Session, SessionId
+from .lanes import LanePool, Session, SessionId
 from .outputs import RowReader
 from .park import Park, make_room, parkable, restore
 from .prefix import MIN_PREFIX_REUSE, PrefixStats
@@ -399,36 +398,6 @@ class RuntimeState:
             advanced[str(session.id)] = engine_pos
             self.tokens_evaluated += engine_pos - lo
         raise EngineFault(f"llama_decode failed: {why}", advanced)
-
-    # -- introspection -----------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "lanes": {
-                "total": self.lanes.n_lanes,
-                "active": self.lanes.active,
-                "idle": self.lanes.free,
-                # lanes a new session could get: idle, or an idle session's (parked)
-                "room": self.lanes_for([])[1],
-            },
-            "sessions": [
-                {"lane": s.lane, "session": str(s.id), "position": s.position}
-                | ({"ephemeral": True} if isinstance(s.id, Ephemeral) or s.ephemeral else {})
-                for s in sorted(self.lanes.sessions.values(), key=lambda s: s.lane)
-            ]
-            + [
-                {"lane": None, "session": str(s.id), "position": s.position, "parked": True}
-                for s in (self.park.sessions() if self.park is not None else ())
-            ],
-            "prefix_cache": {
-                "lanes_cached": self.lanes.cached,
-                "limit": self.lanes.cache_limit,
-                **dataclasses.asdict(self.prefix),
-            },
-            "park": self.park.stats() if self.park is not None else None,
-            "tokens_evaluated": self.tokens_evaluated,
-            "uptime_s": round(time.monotonic() - self.started, 3),
-        }
 
 
 def _output_rows(step: Step) -> OutputMode:

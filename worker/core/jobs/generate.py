@@ -401,28 +401,3 @@ class GenerateJob(Job):
             resume["ephemeral"] = True
             event["session"] = name
         self.ticket.event(event)
-
-
-class ChatJob(GenerateJob):
-    """A generation whose prompt is a rendered chat (``prompt`` holds its tokens).
-
-    On a session that already holds tokens, the template's BOS (``bos``) is
-    dropped and ``closer`` — what the template writes after a model turn,
-    whose end-of-turn token never reached the KV cache — is fed first.
-    """
-
-    def __init__(self, *args: Any, closer: list[int], bos: int | None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.closer = closer
-        self.bos = bos
-
-    def start(self, rt: RuntimeState) -> bool:
-        (sid,) = self.sessions
-        prior = rt.known(sid)
-        if prior is not None and (prior.position > 0 or prior.pending):
-            assert isinstance(self.prompt, list)
-            tokens = self.prompt
-            if tokens and tokens[0] == self.bos:
-                tokens = tokens[1:]
-            self.prompt = self.closer + tokens
-        return super().start(rt)
