@@ -229,7 +229,10 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
     args = req.args
     has_prompt, has_tokens = "prompt" in args, "tokens" in args
     if app.draining and "resume" not in args:  # a moved stream may come back here
-        raise ShuttingDown("the worker is shutting down; send new work elsewhere")
+        raise ShuttingDown(
+            "this process is shutting down and takes no new work; retry elsewhere or later",
+            retry_after_ms=1000,
+        )
     if "resume" in args:  # the session's pending tokens are the prompt
         if has_prompt or has_tokens or "media" in args or req.session is None:
             raise BadRequest("a generate with resume names its session and takes no prompt")
