@@ -45,7 +45,7 @@ from protocol.envelope import VERSION, error_reply, ok_reply
 from .affinity import AffinityTable
 from .config import GatewayConfig
 from .drain import Drainer
-from .ledger import Ledger
+from .ledger import Inflight, Ledger
 from .metrics import GatewayMetrics
 from .ops import SPEECH_OPS, OpTable, sessions_of
 from .placement import Placer
