@@ -44,6 +44,7 @@ steps read in order while the loop keeps serving everyone else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -52,7 +53,7 @@ from typing import Any
 
 import zmq
 
-from edge import logs
+from edge import Request, logs
 from faults import BadRequest, Fault
 
 from .host import Host
@@ -244,11 +245,11 @@ class Drainer:
                 name = event.get("session")
                 if not isinstance(name, str):  # it had not started: send it anywhere
                     target = self._target(w) or w
-                    svc.resume(rec, target, "", None)
+                    resume_stream(svc, rec, target, "", None)
                     continue
                 error, where = yield from self._move(w, name, affinity=False)
                 went = svc.pool.workers.get(where.get("to", "")) if error is None else None
-                svc.resume(rec, went or w, name, event.get("resume"))
+                resume_stream(svc, rec, went or w, name, event.get("resume"))
         # Other work ends by itself; sessions that could not move keep being
         # served here and are not waited for.
         stuck = frozenset(f["session"] for f in failed)
@@ -286,7 +287,7 @@ class Drainer:
                 continue
             del task.suspending[gid]
             rec, event = got
-            self.svc.resume(rec, target, session, event.get("resume"))
+            resume_stream(self.svc, rec, target, session, event.get("resume"))
 
     def _move(
         self, w: WorkerConn, session: str, affinity: bool = True
@@ -332,6 +333,34 @@ class Drainer:
         if not roomy:
             return None
         return min(roomy, key=lambda co: (co[0].score, co[1].name))[1]
+
+
+# What a moved stream's request loses: its prompt is in the session already.
+_PROMPT_ARGS = frozenset({"prompt", "tokens", "messages", "media", "resume"})
+
+
+def resume_stream(
+    svc: Host, rec: Inflight, target: WorkerConn, session: str, resume: dict[str, Any] | None
+) -> None:
+    """Go on with a stream suspended on its worker: ``generate`` with
+    ``resume`` on ``target`` (``None``: it had not started, send it as it
+    was), answering the same client request under a new gateway id."""
+    req = rec.stream
+    if rec.peer is None or not isinstance(req, Request):
+        return  # its client went away
+    if resume is not None:
+        args = {k: v for k, v in req.args.items() if k not in _PROMPT_ARGS}
+        req = dataclasses.replace(
+            req, op="generate", session=session, args={**args, "resume": resume}
+        )
+    named = (session,) if not (resume or {}).get("ephemeral") else ()
+    if not svc.dispatch(req, target, named):
+        return
+    moved = svc.ledger.of_client(req.peer, req.id)
+    if moved is not None:
+        moved.retry = None  # its session is on ``target`` only
+    svc.streams_moved += 1
+    _log.info("stream_moved", to=target.name, session=session, resumed=resume is not None)
 
 
 def _names(session: str, rec: Inflight) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from edge import Request
 
 from .affinity import AffinityTable
-from .ledger import Inflight, Ledger
+from .ledger import Ledger
 from .pool import Pool, WorkerConn
 from .router import Router
 
@@ -54,10 +54,7 @@ class Host(Protocol):
         """The drains running now."""
         ...
 
-    def resume(
-        self, rec: Inflight, target: WorkerConn, session: str, resume: dict[str, Any] | None
-    ) -> None:
-        """Go on with a stream suspended on its worker: ``generate`` with
-        ``resume`` on ``target`` (``None``: it had not started, send it as it
-        was), answering the same client request."""
+    def dispatch(self, req: Request, w: WorkerConn, sessions: tuple[str, ...]) -> bool:
+        """Send ``req`` to ``w`` under a new gateway id, for the same client
+        request; False (and the client has its error) when it cannot."""
         ...

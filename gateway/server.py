@@ -40,12 +40,12 @@ from faults import (
     LimitExceeded,
     WorkerUnavailable,
 )
-from protocol.envelope import VERSION, error_reply, ok_reply
+from protocol.envelope import VERSION, ok_reply
 
 from .affinity import AffinityTable
 from .config import GatewayConfig
 from .drain import Drainer
-from .ledger import Inflight, Ledger
+from .ledger import Ledger
 from .metrics import GatewayMetrics
 from .ops import SPEECH_OPS, OpTable, sessions_of
 from .placement import Placer
@@ -63,8 +63,6 @@ _DRAIN_OPS = frozenset({"gateway_status"})
 
 TICK_S = 0.05
 STREAM_OPS = frozenset({"generate", "chat"})  # streams a drain can move mid-way
-# What a moved stream's request loses: its prompt is in the session already.
-_PROMPT_ARGS = frozenset({"prompt", "tokens", "messages", "media", "resume"})
 
 
 class _NotSent(WorkerUnavailable):
@@ -124,7 +122,14 @@ class GatewayService:
         self._handlers = OpTable(local, self._forward)
         # Worker -> client. Until attach() gives it a relay, replies go via the edge.
         self.replies = Replies(
-            self.ledger, metrics, self.send_later, lambda out: self._out.append(out)
+            self.ledger,
+            metrics,
+            self.send_later,
+            lambda out: self._out.append(out),
+            self.affinity,
+            self.router,
+            self.held,
+            self.drainer,
         )
 
     def trust_peer(self) -> bytes:
@@ -226,16 +231,6 @@ class GatewayService:
     def worker_reply(
         self, w: WorkerConn, header: dict[str, Any], buffers: list[zmq.Frame], size: int
     ) -> None:
-        gid = header.get("id")
-        if gid is None and header.get("event") == "leaving":  # SIGTERM: take what it holds
-            self.drainer.leaving(w)
-            return
-        if header.get("event") == "suspended":  # a drain moves this stream: not the client's
-            rec = self.ledger.get(gid) if type(gid) is int else None
-            if rec is not None:
-                self.ledger.finish(rec, True)
-                self.drainer.suspended(rec, header)
-            return
         self.replies.reply(w, header, buffers, size)
 
     # -- client -> worker -----------------------------------------------------------
@@ -365,28 +360,14 @@ class GatewayService:
 
     # -- what drains ask of the service (gateway/drain.py) -------------------------------
 
-    def resume(
-        self, rec: Inflight, target: WorkerConn, session: str, resume: dict[str, Any] | None
-    ) -> None:
-        req = rec.stream
-        if rec.peer is None or not isinstance(req, Request):
-            return  # its client went away
-        if resume is not None:
-            args = {k: v for k, v in req.args.items() if k not in _PROMPT_ARGS}
-            req = dataclasses.replace(
-                req, op="generate", session=session, args={**args, "resume": resume}
-            )
-        named = (session,) if not (resume or {}).get("ephemeral") else ()
+    def dispatch(self, req: Request, w: WorkerConn, sessions: tuple[str, ...]) -> bool:
+        """Send a moved stream's request to ``w``; on failure its client gets the error."""
         try:
-            self._dispatch(req, target, named, placed=False)
+            self._dispatch(req, w, sessions, placed=False)
         except Exception as exc:
             self._out.append(Outgoing(req.peer, failure_header(req.id, exc, req.op)))
-            return
-        moved = self.ledger.of_client(req.peer, req.id)
-        if moved is not None:
-            moved.retry = None  # its session is on ``target`` only
-        self.streams_moved += 1
-        _log.info("stream_moved", to=target.name, session=session, resumed=resume is not None)
+            return False
+        return True
 
     def hold(self, session: str) -> None:
         self.held.setdefault(session, [])
@@ -408,43 +389,13 @@ class GatewayService:
     def drains(self) -> list[dict[str, Any]]:
         return self.drainer.active()
 
-    # -- pool listener ---------------------------------------------------------------
+    # -- pool listener: the workers' ups, downs and stats (gateway/replies.py) ------------
 
     def worker_down(self, worker: WorkerConn, reason: str) -> None:
-        message = f"worker {worker.name} is unavailable: {reason}"
-        for gid in list(worker.inflight):
-            rec = self.ledger.get(gid)
-            if rec is None:
-                continue
-            self.ledger.finish(rec, False)
-            if rec.peer is not None:
-                reply = error_reply(rec.client_id, "worker_unavailable", message)
-                self._out.append(Outgoing(rec.peer, reply))
-        worker.inflight.clear()
-        dropped = self.affinity.drop_worker(worker.name)
-        self.router.forget(worker.name)
-        if dropped:
-            _log.warning("sessions_lost", worker=worker.name, sessions=len(dropped))
-        if self.metrics is not None:
-            self.metrics.worker_down(worker)
+        self.replies.worker_down(worker, reason)
 
     def worker_up(self, worker: WorkerConn) -> None:
         self.router.forget(worker.name)  # a (re)started worker's prefix cache is empty
 
     def worker_stats(self, worker: WorkerConn, stats: dict[str, Any], asked_at: float) -> None:
-        if worker.kind != LLM:
-            return
-        listed = [
-            str(s.get("session"))
-            for s in stats.get("sessions") or ()
-            if isinstance(s, dict) and not s.get("ephemeral") and s.get("session")
-        ]
-
-        def busy(session: str) -> bool:
-            return self.ledger.busy(session) or session in self.held
-
-        added, removed = self.affinity.rebuild(worker.name, listed, asked_at, busy)
-        if added or removed:
-            _log.info(
-                "affinity_rebuilt", worker=worker.name, added=added[:16], removed=removed[:16]
-            )
+        self.replies.worker_stats(worker, stats, asked_at)
