@@ -84,6 +84,18 @@ class _Runtime:
     lanes = _Lanes()
     n_layer = 18
     tail = None  # a whole-model worker, not a pipeline stage
+    park = None
+
+    def known(self, session: object) -> None:
+        return None
+
+    def was_evicted(self, session: object) -> bool:
+        return False
+
+    def not_active(self, session: object) -> Exception:
+        from faults import SessionNotActive
+
+        return SessionNotActive(f"session {session!r} is not active")
 
 
 class _Scheduler:

@@ -145,6 +145,27 @@ def worker(
     return worker_process[1], worker_process[2]
 
 
+@pytest.fixture(scope="session")
+def unparked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A worker without a park (4 lanes x 256 cells): a lane is a hard limit
+    there, for the tests of what happens when none is free (lanes_busy)."""
+    tmp = tmp_path_factory.mktemp("unparked")
+    proc, endpoint, _ = start_worker(
+        tmp, "--lanes", "4", "--ctx", "1024", "--park-bytes", "0", name="unparked"
+    )
+    yield endpoint
+    stop_worker(proc)
+
+
+@pytest.fixture()
+def unparked_client(unparked: str) -> Iterator[Client]:
+    with Client(unparked, timeout_ms=60_000) as c:
+        yield c
+        for entry in c.stats()["sessions"]:
+            if not entry.get("ephemeral"):
+                c.drop(entry["session"])
+
+
 @pytest.fixture()
 def client(worker: tuple[str, Path]) -> Iterator[Client]:
     """A client whose test leaves no session behind (lanes are shared)."""

@@ -17,6 +17,7 @@ import pytest
 from conftest import start_worker, stop_worker
 from protocol import Client
 from worker.runtime import LanePool, RuntimeState
+from worker.runtime.prefix import window_holds
 
 STORY = (
     "The harbor town woke slowly. Fishing boats rocked against the pier while gulls "
@@ -156,11 +157,11 @@ def test_sliding_window_guard_refuses_a_prefix_the_window_lost() -> None:
         n_seq=2, n_ctx_per_seq=4096, n_swa=512, n_layer=18, pos_min=lambda lane: 300
     )
     rt = RuntimeState(engine, prefix_cache=-1)  # type: ignore[arg-type]
-    assert rt.window_holds(0, 812)  # cells 300..811 still cover the last 512 positions
-    assert not rt.window_holds(0, 700)  # position 188.. would be needed, 300 is the oldest
-    assert rt.window_holds(0, 0)  # nothing kept: nothing needed
+    assert window_holds(rt.engine, 0, 812)  # cells 300..811 still cover the last 512 positions
+    assert not window_holds(rt.engine, 0, 700)  # position 188.. would be needed, 300 is the oldest
+    assert window_holds(rt.engine, 0, 0)  # nothing kept: nothing needed
     engine.pos_min = lambda lane: 0  # a lane prefilled here with swa_full keeps every cell
-    assert rt.window_holds(0, 10)
+    assert window_holds(rt.engine, 0, 10)
     engine.n_swa = 0  # a model without sliding-window layers
     engine.pos_min = lambda lane: 300
-    assert rt.window_holds(0, 10)
+    assert window_holds(rt.engine, 0, 10)

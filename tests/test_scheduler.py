@@ -89,8 +89,17 @@ class FakeRuntime:
         self.advance_on_failure: dict[str, int] = {}  # KV the failed forward moved anyway
         self.step_error: SessionId | None = None  # sampling fails for this session
 
+    park = None  # no parking: lanes are what they are
+    pinned: Any = None  # set by the Scheduler
+
     def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]:
         return self.lanes.admit(session_ids, ephemeral)
+
+    def known(self, session_id: SessionId) -> Session | None:
+        return self.lanes.get(session_id)
+
+    def lanes_for(self, session_ids: Sequence[SessionId]) -> tuple[int, int]:
+        return len(self.lanes.missing(session_ids)), self.lanes.free
 
     def admit_prompt(
         self,

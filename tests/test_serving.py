@@ -182,7 +182,7 @@ def test_concurrent_decodes_from_two_peers_share_a_forward(worker: tuple[str, Pa
                     a.drop(s)
 
 
-def test_iteration_batch_mixes_prefill_and_decode(client: Client) -> None:
+def test_iteration_batch_mixes_prefill_and_decode(client: Client, unparked_client: Client) -> None:
     client.prefill("it_a", [2, 10, 11])
     samples = client.iteration_batch(
         [
@@ -197,10 +197,10 @@ def test_iteration_batch_mixes_prefill_and_decode(client: Client) -> None:
     with pytest.raises(SkiffError) as bad:
         client.iteration_batch([{"session": "it_a", "tokens": [5], "positions": [9]}])
     assert bad.value.code == "bad_request"
-    for i in range(5):
-        client.prefill(f"fill{i}", [2])
+    for i in range(4):  # no park there: every lane taken is a hard limit
+        unparked_client.prefill(f"fill{i}", [2])
     with pytest.raises(SkiffError) as busy:
-        client.iteration_batch([{"session": f"n{i}", "tokens": [2]} for i in range(2)])
+        unparked_client.iteration_batch([{"session": f"n{i}", "tokens": [2]} for i in range(2)])
     assert busy.value.code == "lanes_busy"
     assert "iteration requires 2 new sessions but only 0 execution lanes" in busy.value.message
 

@@ -141,8 +141,9 @@ def test_decode_batch_agrees_with_sequential_decode(client: Client) -> None:
         assert float(np.max(np.abs(batched[i] - sequential[i]))) <= 0.05
 
 
-def test_decode_batch_is_all_or_nothing(client: Client) -> None:
-    for i in range(6):
+def test_decode_batch_is_all_or_nothing(unparked_client: Client) -> None:
+    client = unparked_client  # no park: a lane is a hard limit
+    for i in range(2):
         client.prefill(f"hold{i}", [2, 100])
     requests = [{"session": f"new{i}", "token": 2} for i in range(3)]
     with pytest.raises(SkiffError) as info:
@@ -153,6 +154,19 @@ def test_decode_batch_is_all_or_nothing(client: Client) -> None:
     with pytest.raises(SkiffError) as dup:
         client.decode_batch([{"session": "x", "token": 2}, {"session": "x", "token": 3}])
     assert dup.value.code == "bad_request"
+
+
+def test_a_batch_beyond_the_free_lanes_parks_idle_sessions(client: Client) -> None:
+    """With a park (the default), idle sessions make room: the batch runs, and
+    the parked sessions go on where they were."""
+    for i in range(6):
+        client.prefill(f"hold{i}", [2, 100])
+    parks = client.stats()["park"]["parks"]
+    tokens = client.decode_batch([{"session": f"new{i}", "token": 2} for i in range(3)])
+    assert len(tokens) == 3
+    assert client.stats()["park"]["parks"] > parks
+    for i in range(6):
+        assert client.decode(f"hold{i}", 5)["position"] == 3
 
 
 def test_trim_then_redecode_reproduces_the_continuation(client: Client) -> None:

@@ -58,7 +58,7 @@ class _Speculative(Field):
         if not isinstance(value, dict):
             raise BadRequest(f"{where} must be a map")
         mode = value.get("mode")
-        if mode not in _SPECULATION:
+        if not isinstance(mode, str) or mode not in _SPECULATION:
             raise BadRequest(f"{where}.mode must be 'prompt_lookup' or 'draft_model'")
         got = read_fields(value, _SPECULATION[mode], ctx, f"{where}.", known="")
         return Speculation(**got)

@@ -29,7 +29,7 @@ from structlog import get_logger
 
 from faults import EngineFault, Fault
 
-from ..runtime import Flight, RuntimeState, Step, StepResult, chain
+from ..runtime import Flight, RuntimeState, Step, StepResult
 from .jobs.base import MIN_CUT, PHASE_DECODE, Job
 
 _log = get_logger("skiff.scheduler")
@@ -283,7 +283,7 @@ class Outcomes:
         """Send the turn's forward down the chain and go on: its jobs sit out
         planning (and reaping) until it lands, other jobs keep running."""
         try:
-            flight = chain.launch(self.rt, steps)
+            flight = self.rt.launch(steps)
         except Fault as exc:
             _log.error("forward_failed", error=str(exc), jobs=len(owners))
             for job, _ in owners:
@@ -293,7 +293,7 @@ class Outcomes:
         self.flying_jobs.update(job for job, _ in owners)
 
     def land(self, timeout_ms: int) -> None:
-        for flight in chain.land(self.rt, timeout_ms):
+        for flight in self.rt.land(timeout_ms):
             flying = next(f for f in self.flying if f.flight is flight)
             self.flying.remove(flying)
             self.flying_jobs.difference_update(job for job, _ in flying.owners)

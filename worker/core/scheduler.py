@@ -180,7 +180,7 @@ class Scheduler:
             if self.outcomes.flying:
                 self.outcomes.land(_LAND_WAIT_MS)
             return
-        if self.rt.tail is not None:  # a stage: forwards go down the chain
+        if self.rt.chained:
             self.outcomes.launch(steps, owners)
             return
         self.outcomes.run(steps, owners)

@@ -34,11 +34,12 @@ from typing import Any
 from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch, SessionNotActive
 
 from ..engine import Engine, OutputMode, Segment
+from . import chain
 from .chain import Flight
 from .lanes import LanePool, Session, SessionId
 from .outputs import RowReader
 from .park import Park, make_room, parkable, restore
-from .prefix import MIN_PREFIX_REUSE, PrefixStats
+from .prefix import MIN_PREFIX_REUSE, PrefixStats, window_holds
 from .signals import window_summary
 from .steps import Step, StepResult, group_steps
 from .tail import Tail
@@ -179,7 +180,7 @@ class RuntimeState:
             (session,) = self.admit([session_id], ephemeral)
             return session, 0
         lane = match[0]
-        if not self.window_holds(lane, common):
+        if not window_holds(self.engine, lane, common):
             self.prefix.refused_window += 1
             self.prefix.misses += 1
             (session,) = self.admit([session_id], ephemeral)
@@ -197,21 +198,6 @@ class RuntimeState:
         self.prefix.hits += 1
         self.prefix.reused_tokens += common
         return session, common
-
-    def window_holds(self, lane: int, common: int) -> bool:
-        """Whether the lane still holds what decoding after ``common`` tokens needs.
-
-        A sliding-window cache (without ``swa_full``) forgets cells older than
-        the window, and a lane loaded from a saved state holds only the last
-        window of them: keeping ``common`` tokens is only sound while the cells
-        of the last ``n_swa`` positions before ``common`` are still there
-        (llama-server's guard). A lane prefilled here with ``swa_full`` keeps
-        every cell (``pos_min`` 0), so the check always passes.
-        """
-        n_swa = self.engine.n_swa
-        if n_swa <= 0 or common == 0:
-            return True
-        return self.engine.pos_min(lane) <= max(0, common - n_swa)
 
     def _clear_evicted(self) -> None:
         for lane in self.lanes.take_evicted():
@@ -260,7 +246,7 @@ class RuntimeState:
                 f"cannot trim session {str(session_id)!r} at {session.position} "
                 f"forward to {token_count}"
             )
-        if not self.window_holds(session.lane, token_count):
+        if not window_holds(self.engine, session.lane, token_count):
             floor = self.engine.pos_min(session.lane) + self.engine.n_swa
             raise BadRequest(
                 f"session {str(session_id)!r} holds sliding-window cells only from position "
@@ -335,6 +321,19 @@ class RuntimeState:
             raise BadRequest(f"session {str(session_id)!r} has no sampled token yet")
         last: dict[str, Any] = session.signals[-1].as_dict()
         return last
+
+    # -- forwards through a pipeline chain, asynchronously (runtime/chain.py) --
+
+    @property
+    def chained(self) -> bool:
+        """True when forwards can go out asynchronously (``launch`` / ``land``)."""
+        return self.tail is not None
+
+    def launch(self, steps: Sequence[Step]) -> Flight:
+        return chain.launch(self, steps)
+
+    def land(self, timeout_ms: int) -> list[Flight]:
+        return chain.land(self, timeout_ms)
 
     def _forward_group(
         self, steps: Sequence[Step], hidden: bool, non_causal: bool = False
