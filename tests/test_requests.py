@@ -96,5 +96,5 @@ def test_a_map_checked_under_one_workers_limits_is_not_reused_under_anothers(
 @pytest.mark.parametrize("mode", [[1], {"a": 1}, 3, None, "beam"])
 def test_a_speculative_mode_of_any_other_type_is_a_bad_request(mode: Any) -> None:
     """Found by the fuzzer: a list as ``mode`` met a dict lookup (unhashable)."""
-    with pytest.raises(BadRequest, match="speculative.mode"):
+    with pytest.raises(BadRequest, match=r"speculative\.mode"):
         generate.read_generation(_app(), _req({"prompt": "x", "speculative": {"mode": mode}}))
