@@ -134,6 +134,7 @@ class Drainer:
         for task in self.tasks:
             if rec.gid in task.suspending:
                 task.suspending[rec.gid] = (rec, header)
+                self.poll()  # a drain waiting for it goes on now, not at the next tick
                 return
         _log.warning("suspended_unasked", worker=rec.worker.name, id=rec.gid)
 
@@ -222,8 +223,11 @@ class Drainer:
                 if self._target(w) is not None:  # with nowhere to go, streams finish here
                     yield from self._suspend(w, task, functools.partial(_names, session))
                 yield Wait(functools.partial(_settled, svc, w, session))
-                error, where = yield from self._move(w, session)
-                self._resume_streams(task, svc.pool.workers.get(where.get("to", "")) or w, session)
+                # the streams go on the moment it lands (before the old copy is dropped)
+                landed = functools.partial(self._resume_streams, task, session=session)
+                error, where = yield from self._move(w, session, landed=landed)
+                if error is not None:
+                    self._resume_streams(task, w, session)  # it stayed: they go on here
             finally:
                 task.session = None
                 svc.release(session)
@@ -247,9 +251,10 @@ class Drainer:
                     target = self._target(w) or w
                     resume_stream(svc, rec, target, "", None)
                     continue
-                error, where = yield from self._move(w, name, affinity=False)
-                went = svc.pool.workers.get(where.get("to", "")) if error is None else None
-                resume_stream(svc, rec, went or w, name, event.get("resume"))
+                go_on = functools.partial(_go_on, svc, rec, name, event.get("resume"))
+                error, _ = yield from self._move(w, name, affinity=False, landed=go_on)
+                if error is not None:
+                    go_on(w)  # it stayed: it goes on here
         # Other work ends by itself; sessions that could not move keep being
         # served here and are not waited for.
         stuck = frozenset(f["session"] for f in failed)
@@ -290,9 +295,14 @@ class Drainer:
             resume_stream(self.svc, rec, target, session, event.get("resume"))
 
     def _move(
-        self, w: WorkerConn, session: str, affinity: bool = True
+        self,
+        w: WorkerConn,
+        session: str,
+        affinity: bool = True,
+        landed: Callable[[WorkerConn], None] | None = None,
     ) -> Generator[Call | Wait, Answer, tuple[str | None, dict[str, Any]]]:
-        """One live migration; (None, where) or (error, {})."""
+        """One live migration; (None, where) or (error, {}). ``landed(target)``
+        runs once the import is done, before the old copy is dropped."""
         svc = self.svc
         if not w.up:
             return "worker went down", {}
@@ -311,13 +321,15 @@ class Drainer:
         if not imported.get("ok"):
             target.lanes_freed += 1
             return _error(imported, f"import_state on {target.name}"), {}
+        if affinity:
+            svc.affinity.assign(session, target.name, time.monotonic(), confirmed=True)
+        if landed is not None:
+            landed(target)
         dropped, _ = yield Call(w, "drop", session)
         if dropped.get("ok"):
             w.lanes_freed += 1
         else:
             _log.warning("drain_drop_failed", session=session, error=_error(dropped, "drop"))
-        if affinity:
-            svc.affinity.assign(session, target.name, time.monotonic(), confirmed=True)
         position = (imported.get("result") or {}).get("position")
         _log.info("session_moved", session=session, to=target.name, position=position)
         return None, {"session": session, "to": target.name, "position": position}
@@ -361,6 +373,12 @@ def resume_stream(
         moved.retry = None  # its session is on ``target`` only
     svc.streams_moved += 1
     _log.info("stream_moved", to=target.name, session=session, resumed=resume is not None)
+
+
+def _go_on(
+    svc: Host, rec: Inflight, name: str, resume: dict[str, Any] | None, target: WorkerConn
+) -> None:
+    resume_stream(svc, rec, target, name, resume)
 
 
 def _names(session: str, rec: Inflight) -> bool:

@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         stage = plan_stage(cfg)
         engine = build_engine(cfg, stage=stage)
+        engine.digest.prepare()  # sessions move without hashing the model mid-turn
         if cfg.draft_model:
             if stage is not None:
                 raise ValueError("--draft-model is not supported on a pipeline stage")

@@ -29,7 +29,6 @@ Choices that matter:
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +39,7 @@ import numpy as np
 from . import kernels
 from .batch import Batch, Segment, ubatch_rows
 from .seqstate import FORMAT as STATE_FORMAT
-from .seqstate import restream
+from .seqstate import FileDigest, restream
 from .tap import LayerTap, TapError, in_batch_order
 
 
@@ -156,7 +155,8 @@ class Engine:
         self._embd_batch: Batch | None = None  # made on the first embeddings input
         self._last = self._batch  # the batch of the last decode (for output_index)
         self._hidden = False
-        self._sha256: str | None = None
+        # the model file's sha256, hashed once (in the background after prepare())
+        self.digest = FileDigest(cfg.model_path)
         self._abort_fn: Any = None
         self._piece_cache: dict[int, bytes] = {}
 
@@ -354,18 +354,12 @@ class Engine:
 
     def identity(self) -> dict[str, Any]:
         """What a saved KV state is only valid with: the model file's sha256
-        (hashed once, on first use), the KV cell types and the state format,
+        (``FileDigest``: hashed once), the KV cell types and the state format,
         and the arithmetic: batch invariance and the CPU kernels (an AVX2 and
         an AVX-512 build round differently, so a session moved between them
         could not continue as it would have at home; such a move is refused)."""
-        if self._sha256 is None:
-            digest = hashlib.sha256()
-            with open(self.cfg.model_path, "rb") as fh:
-                while chunk := fh.read(1 << 22):
-                    digest.update(chunk)
-            self._sha256 = digest.hexdigest()
         return {
-            "model_sha256": self._sha256,
+            "model_sha256": self.digest.hexdigest(),
             "n_layer": self.n_layer,
             "n_embd": self.n_embd,
             "n_vocab": self.n_vocab,

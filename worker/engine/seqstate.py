@@ -23,7 +23,9 @@ identity names the format so a state from another layout is refused first.
 
 from __future__ import annotations
 
+import hashlib
 import struct
+import threading
 
 import numpy as np
 
@@ -121,3 +123,32 @@ def restream(state: np.ndarray, n_stream: int) -> np.ndarray:
     return np.concatenate(
         [np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p for p in pieces]
     )
+
+
+class FileDigest:
+    """A file's sha256, computed once: by ``prepare`` in a background thread
+    (hashlib drops the GIL while it hashes), or by the first ``hexdigest``.
+
+    A saved KV state names the model file it belongs to; hashing the 253 MB
+    default model takes ~0.2 s, which the first export or import would
+    otherwise spend inside a turn, in the middle of moving a live stream.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._value: str | None = None
+
+    def prepare(self) -> None:
+        """Hash now, off the caller's thread."""
+        threading.Thread(target=self.hexdigest, name="model-sha256", daemon=True).start()
+
+    def hexdigest(self) -> str:
+        with self._lock:  # a second caller waits for the first one's result
+            if self._value is None:
+                digest = hashlib.sha256()
+                with open(self.path, "rb") as fh:
+                    while chunk := fh.read(1 << 22):
+                        digest.update(chunk)
+                self._value = digest.hexdigest()
+            return self._value
