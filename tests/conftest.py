@@ -113,6 +113,28 @@ def start_worker(
     return proc, endpoint, log_path
 
 
+def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """``python -m ARGS`` from the repository, JSON logs appended to ``log``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "SKIFF_LOG_FORMAT": "json"},
+    )
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process, wait for each (bounded), kill what is left."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def stop_worker(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:

@@ -22,7 +22,6 @@ One cluster for the module (``skiff-gateway`` + 2 workers with 4 lanes of
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -36,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from conftest import WAIT_S, wait_until
+from conftest import WAIT_S, spawn, stop_all, wait_until
 from protocol import Client, SkiffError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,16 +47,6 @@ DRAIN = ("--drain-timeout-s", str(2 * WAIT_S))
 WORKER_ARGS = ("--lanes", "4", "--ctx", "2048", "--threads", "1", "--park-bytes", "0", *DRAIN)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "SKIFF_LOG_FORMAT": "json"},
-    )
 
 
 def _free_port() -> int:
@@ -84,7 +73,7 @@ class Cluster:
         args = ["gateway.cli", "--bind", self.gateway_ep, "--metrics-port", str(self.metrics_port)]
         for ep in self.endpoints:
             args += ["--worker", ep]
-        self.gateway = _spawn([*args, *DRAIN], self.tmp / "gateway.log")
+        self.gateway = spawn([*args, *DRAIN], self.tmp / "gateway.log")
         self.wait_all_up()
 
     def wait_all_up(self) -> None:
@@ -96,7 +85,7 @@ class Cluster:
 
     def start_worker(self, ep: str) -> None:
         name = ep.rsplit("/", 1)[-1]
-        self.workers[ep] = _spawn(
+        self.workers[ep] = spawn(
             ["worker.cli", "--bind", ep, *WORKER_ARGS], self.tmp / f"{name}.log"
         )
 
@@ -129,14 +118,7 @@ class Cluster:
             return [s["session"] for s in c.stats()["sessions"] if not s.get("ephemeral")]
 
     def close(self) -> None:
-        procs = [self.gateway, *self.workers.values()]
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(WAIT_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all([self.gateway, *self.workers.values()])
 
 
 @pytest.fixture(scope="module")

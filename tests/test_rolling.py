@@ -12,10 +12,8 @@ and every named session must continue as it would have.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conftest import WAIT_S, wait_until
+from conftest import WAIT_S, spawn, stop_all, wait_until
 from protocol import Client, SkiffError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,16 +32,6 @@ STREAM_TOKENS = 200
 SESSIONS = 16
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "SKIFF_LOG_FORMAT": "json"},
-    )
 
 
 class Pair:
@@ -59,12 +47,12 @@ class Pair:
         args = ["gateway.cli", "--bind", self.gateway_ep]
         for ep in self.endpoints:
             args += ["--worker", ep]
-        self.gateway = _spawn(args, tmp / "gateway.log")
+        self.gateway = spawn(args, tmp / "gateway.log")
         self.wait_all_up()
 
     def start_worker(self, ep: str) -> None:
         name = ep.rsplit("/", 1)[-1]
-        self.workers[ep] = _spawn(
+        self.workers[ep] = spawn(
             ["worker.cli", "--bind", ep, *WORKER_ARGS], self.tmp / f"{name}.log"
         )
         with Client(ep) as c:
@@ -90,14 +78,7 @@ class Pair:
         self.wait_all_up()
 
     def close(self) -> None:
-        procs = [self.gateway, *self.workers.values()]
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(WAIT_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all([self.gateway, *self.workers.values()])
 
 
 @pytest.fixture(scope="module")

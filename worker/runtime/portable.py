@@ -136,6 +136,24 @@ def _restore_sampler(rt: RuntimeState, session: Session, raw: dict[str, Any], sp
     session.sampler = sampler
 
 
+def _fill(
+    rt: RuntimeState,
+    session: Session,
+    meta: Any,
+    fields: dict[str, Any],
+    sampler_spec: SamplerSpec | None,
+) -> None:
+    """What an imported session holds beside its cells: tokens, position, the
+    pending token, and its sampler (restored when the state carries one)."""
+    session.tokens = fields["tokens"]
+    session.position = fields["position"]
+    session.pending = fields["pending"]
+    session.last_token = fields["last_token"]
+    raw = meta.get("sampler")
+    if raw is not None and sampler_spec is not None:
+        _restore_sampler(rt, session, raw, sampler_spec)
+
+
 def _import_parked(
     rt: RuntimeState,
     session_id: SessionId,
@@ -151,13 +169,7 @@ def _import_parked(
     if not rt.park.fits(kv.nbytes):
         raise BadRequest("the kv_state is larger than this worker's whole park (--park-bytes)")
     session = Session(session_id, -1)
-    session.tokens = fields["tokens"]
-    session.position = fields["position"]
-    session.pending = fields["pending"]
-    session.last_token = fields["last_token"]
-    raw = meta.get("sampler")
-    if raw is not None and sampler_spec is not None:
-        _restore_sampler(rt, session, raw, sampler_spec)
+    _fill(rt, session, meta, fields, sampler_spec)
     rt.park.put(session, np.array(kv, dtype=np.uint8, copy=True))
     return session
 
@@ -201,13 +213,7 @@ def import_session(
             raise BadRequest(
                 f"the kv_state holds positions up to {held}, the header says {fields['position']}"
             )
-        session.tokens = fields["tokens"]
-        session.position = fields["position"]
-        session.pending = fields["pending"]
-        session.last_token = fields["last_token"]
-        raw = meta.get("sampler")
-        if raw is not None and sampler_spec is not None:
-            _restore_sampler(rt, session, raw, sampler_spec)
+        _fill(rt, session, meta, fields, sampler_spec)
         rt.check_position(session)
     except BaseException:
         rt.engine.seq_clear(session.lane)
