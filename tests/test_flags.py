@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,39 @@ def test_every_process_reads_its_variables(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("SKIFF_SPEECH_METRICS_PORT", "70000")
     with pytest.raises(SystemExit):
         speech_cli.parse([])
+
+
+def test_cpus_are_parsed_and_checked_against_the_cores_here() -> None:
+    import os
+
+    from worker.config import parse_cpus
+
+    here = sorted(os.sched_getaffinity(0))
+    assert parse_cpus("") == set()
+    assert parse_cpus(str(here[0])) == {here[0]}
+    if len(here) > 1:
+        assert parse_cpus(f"{here[0]}-{here[1]}") >= {here[0], here[1]}
+    for bad in ("a", "1-", "3-1", "0;1", str(max(here) + 64)):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_a_pinned_worker_runs_on_its_cores(tmp_path: Path) -> None:
+    """``--cpus`` pins the process before llama.cpp starts its threads; its
+    threads default to that many, and ``info`` says where it runs."""
+    import os
+
+    from conftest import start_worker, stop_worker
+    from protocol import Client
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    proc, endpoint, _ = start_worker(tmp_path, "--lanes", "1", "--ctx", "256", "--cpus", str(core))
+    try:
+        with Client(endpoint) as c:
+            info = c.info()
+        assert info["cpus"] == [core]
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        allowed = next(line for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+        assert allowed.split()[-1] == str(core)
+    finally:
+        stop_worker(proc)

@@ -112,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     projector: Projector | None = None
     exporter: edge_metrics.Exporter | None = None
     try:
+        if cfg.cpus:  # before llama.cpp starts a thread: they all inherit it
+            os.sched_setaffinity(0, config.parse_cpus(cfg.cpus))
         stage = plan_stage(cfg)
         engine = build_engine(cfg, stage=stage)
         engine.digest.prepare()  # sessions move without hashing the model mid-turn

@@ -34,7 +34,8 @@ class WorkerConfig:
     ctx_per_lane: int = 0  # 0 = ctx // lanes
     batch: int = 512
     ubatch: int = 512
-    threads: int = 0  # 0 = all cores
+    threads: int = 0  # 0 = all cores (of --cpus, when given)
+    cpus: str = ""  # cores the process runs on ("0", "2-3", "0,2"); "" = any
     repack: int = 0
     max_batch_tokens: int = 0  # 0 = batch
     prefill_chunk: int = 128
@@ -86,7 +87,7 @@ class WorkerConfig:
 
     @property
     def n_threads(self) -> int:
-        return self.threads or (os.cpu_count() or 1)
+        return self.threads or len(parse_cpus(self.cpus)) or (os.cpu_count() or 1)
 
     @property
     def n_ctx_per_lane(self) -> int:
@@ -105,7 +106,13 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("ctx-per-lane", int, "cells one lane may use; 0 = ctx / lanes (more = unified KV)"),
     ("batch", int, "n_batch: most tokens one llama_decode takes"),
     ("ubatch", int, "n_ubatch: physical micro-batch size"),
-    ("threads", int, "compute threads; 0 = all cores"),
+    ("threads", int, "compute threads; 0 = all cores (of --cpus, when given)"),
+    (
+        "cpus",
+        str,
+        "cores this worker runs on, e.g. 0, 2-3 or 0,2 (pinned before llama.cpp starts its "
+        "threads: one host can stand in for several); empty = any",
+    ),
     ("repack", int, "1 = llama.cpp weight repacking (needs --kernels upstream); 0 = off"),
     ("max-batch-tokens", int, "token budget of one scheduler turn; 0 = batch"),
     ("prefill-chunk", int, "prompt tokens one prefill may add to a turn"),
@@ -254,6 +261,10 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
         raise SystemExit(
             "skiff-worker: lanes, ctx, batch, prefill-chunk and chain-credit must be positive"
         )
+    try:
+        parse_cpus(cfg.cpus)
+    except ValueError as exc:
+        raise SystemExit(f"skiff-worker: --cpus {cfg.cpus!r}: {exc}") from None
     if cfg.park_bytes < -1:
         raise SystemExit("skiff-worker: --park-bytes must be >= 0, or -1 for a quarter of RAM")
     if cfg.send_hwm < 1:
@@ -275,6 +286,28 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
     if cfg.chat_template and not os.path.isfile(cfg.chat_template):
         raise SystemExit(f"skiff-worker: --chat-template {cfg.chat_template}: no such file")
     return cfg
+
+
+def parse_cpus(text: str) -> set[int]:
+    """``--cpus``: core numbers and ranges, comma-separated ("0", "2-3",
+    "0,2-3"); empty is no pinning. Every core must be one this process may use."""
+    if not text.strip():
+        return set()
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError("give core numbers and ranges, e.g. 0 or 2-3 or 0,2")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"the range {part.strip()} runs backwards")
+        cores.update(range(first, last + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cores <= allowed:
+        raise ValueError(
+            f"cores {sorted(cores - allowed)} are not available here ({sorted(allowed)})"
+        )
+    return cores
 
 
 def park_bytes(cfg: WorkerConfig) -> int:

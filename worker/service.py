@@ -12,6 +12,7 @@ their class's code.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -216,6 +217,8 @@ class LlmService:
             # session's cells then depend on its neighbours (docs/exactness.md)
             "kv_unified": e.kv_unified,
             "n_batch": e.n_batch,
+            "threads": self.cfg.n_threads,
+            "cpus": sorted(os.sched_getaffinity(0)),  # the cores it may run on (--cpus)
             "max_batch_tokens": self.cfg.budget,
             "prefill_chunk": self.cfg.prefill_chunk,
             "ops": sorted(self._handlers),
