@@ -163,3 +163,23 @@ def test_parking_never_evicts_a_session_being_restored() -> None:
     assert "back" in park and not park.was_evicted("back")
     session, _ = park.take("back")
     assert session.position == 5
+
+
+def test_a_session_past_the_sliding_window_parks_and_restores_exactly(client: Client) -> None:
+    """llama.cpp's sequence state has had bugs on sliding-window caches past
+    the window: a 700-token session (window 512) is parked and restored, and
+    its next row's logits equal an unparked twin's (max abs diff 0.0)."""
+    prompt = [int(t) for t in np.random.default_rng(700).integers(1000, 200_000, 700)]
+    assert client.prefill("long-ref", prompt) == 700
+    ref = client.decode("long-ref", 5, return_logits=True)
+    assert client.prefill("long", prompt) == 700
+    lanes = client.stats()["lanes"]["total"]
+    for i in range(lanes):  # every lane taken by a newer session: "long" is parked
+        client.prefill(f"filler{i}", [1000 + i, 1001])
+    parked = {s["session"] for s in client.stats()["sessions"] if s.get("parked")}
+    assert "long" in parked
+    restores = client.stats()["park"]["restores"]
+    got = client.decode("long", 5, return_logits=True)
+    assert client.stats()["park"]["restores"] > restores
+    diff = np.max(np.abs(got.frame.array("logits") - ref.frame.array("logits")))
+    assert float(diff) == 0.0 and got.result == ref.result

@@ -47,7 +47,7 @@ class App(Protocol):
     # when its job tokenizes it; 0: only the lane's cells bound it.
     prompt_limit: int
     draining: bool  # SIGTERM: only work that finishes or moves accepted work is served
-    projector: Projector | None  # --mmproj (media_handlers.py); None: text only
+    projector: Projector | None  # --mmproj (api/media.py); None: text only
 
     def ticket(self, req: Request) -> Ticket: ...
 

@@ -7,8 +7,9 @@ worker's ``Limits`` is ``limit_exceeded`` instead, naming the limit's flag
 worker is configured smaller". msgpack gives us plain Python values; note
 that ``bool`` is an ``int`` subclass and must be refused where an integer is
 expected. A value is checked for its type before anything else touches it
-(a peer may send any nesting of maps and lists). ``sampling`` maps are
-checked in ``validate_sampling.py``.
+(a peer may send any nesting of maps and lists). Fields are declared as
+kinds (``Int``, ``Str``, ``Tokens``, ...) in a table that ``read_fields``
+reads in one pass; ``sampling`` maps have theirs in ``sampling.py``.
 
 This module imports neither the engine nor llama.cpp.
 """
