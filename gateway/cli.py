@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from edge import logs
-from edge.signals import drain_on_signals
+from edge.signals import drain_on_signals, exit_watchdog
 from protocol import Client, SkiffError
 from protocol.sockets import Curve, CurveKeyError
 
@@ -97,6 +97,7 @@ def serve(argv: Sequence[str]) -> int:
     try:
         gateway.serve_forever()
     finally:
+        exit_watchdog()
         if front is not None:
             front.stop()
         gateway.close()

@@ -267,18 +267,38 @@ def stop(procs: Sequence[Proc], grace: float) -> dict[str, str]:
     deadline = time.monotonic() + grace
     while any(alive(p) for p in live) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for p in live:
+    stuck = [p for p in live if alive(p)]
+    dumping = [p for p in stuck if catches(p.pid, signal.SIGUSR1)]
+    for p in dumping:  # where is it? (faulthandler in every skiff process: edge/signals.py)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGUSR1)
+    if dumping:
+        time.sleep(1.0)  # the dump is written by a C handler: at once, unless it died
+    for p in stuck:
         if alive(p):
-            log.warning("grace period over; killing", process=p.name, pid=p.pid)
+            last = tail(p.log, 60)
+            log.warning("grace period over; killing", process=p.name, pid=p.pid, log_tail=last)
             _signal_group(p, signal.SIGKILL)
             outcome[p.name] = "killed"
     deadline = time.monotonic() + 10
     while any(alive(p) for p in live) and time.monotonic() < deadline:
         time.sleep(0.05)
-    stuck = [p.name for p in live if alive(p)]
-    if stuck:
-        raise ClusterError(f"still running after SIGKILL: {stuck}")
+    still = [p.name for p in live if alive(p)]
+    if still:
+        raise ClusterError(f"still running after SIGKILL: {still}")
     return outcome
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether ``pid`` has a handler for ``sig`` (SigCgt in /proc): only then
+    is SIGUSR1 a request for a stack dump rather than a kill."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _signal_group(proc: Proc, sig: signal.Signals) -> None:

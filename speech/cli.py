@@ -19,7 +19,7 @@ from edge import EdgeConfig, EdgeServer, flags, logs
 from edge import metrics as edge_metrics
 from edge.flags import Flag
 from edge.memory import reexec_with_tunables
-from edge.signals import drain_on_signals
+from edge.signals import drain_on_signals, exit_watchdog
 from edge.zap import keys_from_flags
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, SocketOptions
 
@@ -210,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.serve_forever()
         server.deliver(service.shutdown())  # after a stop() without a drain: nothing lost silently
     finally:
+        exit_watchdog()
         if exporter is not None:
             exporter.close()
         server.close()

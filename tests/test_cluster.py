@@ -177,6 +177,38 @@ def test_down_kills_a_process_that_ignores_sigterm(run_dir: Path) -> None:
     assert _gone(proc.pid)
 
 
+def test_down_dumps_the_stack_of_a_stuck_skiff_process(run_dir: Path) -> None:
+    """A process with skiff's SIGUSR1 handler (edge/signals.py) that does not
+    stop is asked for its stacks before the SIGKILL: the log says where it hung."""
+    cluster = _module()
+    ready = run_dir / "ready"
+    code = (
+        "import pathlib, signal, time, faulthandler\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "def stuck_here():\n"
+        f"    pathlib.Path({str(ready)!r}).touch(); time.sleep(600)\n"
+        "stuck_here()"
+    )
+    proc = cluster.Proc(
+        name="stuck",
+        role="worker",
+        argv=[sys.executable, "-c", code],
+        endpoint="tcp://127.0.0.1:9",
+        metrics_port=0,
+        log=str(run_dir / "logs" / "stuck.log"),
+    )
+    cluster.launch(proc)
+    cluster.save_state(run_dir, [proc])
+    wait_until(ready.exists, what="the stuck process ready")
+    code_, down, err = _cluster(run_dir, "down", "--grace", "0.5")
+    assert code_ == 0, err
+    assert down["stopped"] == {"stuck": "killed"}
+    dump = Path(proc.log).read_text()
+    assert "stuck_here" in dump, dump
+    assert "stuck_here" in err  # the warning before the SIGKILL carries the log tail
+
+
 def test_gateway_topology_up_status_down(run_dir: Path) -> None:
     """The full topology: gateway, two workers, speech (needs gateway/cli.py)."""
     code, up, err = _cluster(run_dir, "up", *SMALL)
@@ -197,5 +229,7 @@ def test_gateway_topology_up_status_down(run_dir: Path) -> None:
     pids = [p["pid"] for p in up["processes"].values()]
     code, down, err = _cluster(run_dir, "down", *GRACE)
     assert code == 0, err
-    assert set(down["stopped"].values()) == {"terminated"}
+    # A process killed after the grace period logs its stack dump and log tail
+    # in ``down``'s stderr (scripts/cluster.py stop): show them.
+    assert set(down["stopped"].values()) == {"terminated"}, (down, err)
     assert all(_gone(pid) for pid in pids)

@@ -1,85 +1,48 @@
-"""Token signals and logprobs: equal to a numpy softmax over the same logits."""
+"""edge/signals.py: a stop that hangs explains itself and still ends."""
 
 from __future__ import annotations
 
-import numpy as np
+import subprocess
+import sys
 
-from protocol import Client
-from worker.runtime.signals import logprobs_of, signal_of, window_summary
+from conftest import ROOT, WAIT_S
 
-
-def _softmax_log(row: np.ndarray) -> np.ndarray:
-    x = row.astype(np.float64)
-    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
-
-
-def test_signal_of_matches_numpy_softmax() -> None:
-    row = np.random.default_rng(0).normal(size=4096).astype(np.float32) * 3
-    sig = signal_of(row, 7)
-    logp = _softmax_log(row)
-    order = np.argsort(logp)[::-1]
-    assert sig.top_token == order[0] and sig.second_token == order[1]
-    assert np.isclose(sig.top_logprob, logp[order[0]])
-    assert np.isclose(sig.entropy, -(np.exp(logp) * logp).sum())
-    assert np.isclose(sig.margin, logp[order[0]] - logp[order[1]])
-    assert row[order[0]] == row.max()  # the row is left as it was
+# A process whose clean-up hangs after the loop: the watchdog must end it.
+_HANGS_AFTER_THE_LOOP = """
+import time
+from edge.signals import exit_watchdog
+def closing_forever():
+    time.sleep(600)
+exit_watchdog(0.5)
+closing_forever()
+"""
 
 
-def test_logprobs_of_sorted_top_k() -> None:
-    row = np.array([0.0, 3.0, 1.0, 2.0], dtype=np.float32)
-    out = logprobs_of(row, 2, 3)
-    logp = _softmax_log(row)
-    assert np.isclose(out["logprob"], logp[2])
-    assert [t["token"] for t in out["top_logprobs"]] == [1, 3, 2]
+def test_exit_watchdog_ends_a_stuck_clean_up_with_its_stack() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _HANGS_AFTER_THE_LOOP],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert out.returncode == 1, out
+    assert "closing_forever" in out.stderr  # where it hung
 
 
-def test_window_summary_counts() -> None:
-    row = np.array([0.0, 5.0, 0.0], dtype=np.float32)
-    flat = np.zeros(3, dtype=np.float32)
-    history = [signal_of(row, 1), signal_of(flat, 1), signal_of(row, 2)]
-    out = window_summary(history, 2, high_entropy=1.0)
-    assert out["token_count"] == 2 and out["high_entropy_count"] == 1
-    assert out["repetition_count"] == 0
-    assert window_summary(history, 3)["repetition_count"] == 1
-    assert np.isclose(out["max_entropy"], np.log(3))
-
-
-def test_signal_over_the_socket_equals_numpy(client: Client) -> None:
-    tokens = client.tokenize("The capital of France is")
-    first = client.prefill_sampled("sig", tokens)["token"]
-    reply = client.decode("sig", first, return_logits=True)
-    row = reply.frame.array("logits")[0]
-    sig = client.call("signal", "sig").result
-    logp = _softmax_log(row)
-    assert sig["token"] == reply.result["token"] == int(np.argmax(row))
-    assert sig["top_token"] == int(np.argmax(row))
-    assert np.isclose(sig["top_logprob"], logp.max(), atol=1e-5)
-    assert np.isclose(sig["entropy"], -(np.exp(logp) * logp).sum(), atol=1e-4)
-    second = np.sort(logp)[-2]
-    assert np.isclose(sig["margin"], logp.max() - second, atol=1e-5)
-    window = client.call("signal_window", "sig", {"window_tokens": 8}).result
-    assert window["token_count"] == 2  # prefill_sampled + decode
-    assert window["min_margin"] <= sig["margin"]
-
-
-def test_generate_logprobs_in_events(client: Client) -> None:
-    events = [
-        r.header
-        for r in client.generate(
-            {
-                "prompt": "The capital of France is",
-                "max_tokens": 4,
-                "logprobs": True,
-                "top_logprobs": 3,
-                "ignore_eos": True,
-            }
-        )
-    ]
-    tokens = [e for e in events if e.get("event") == "token"]
-    assert len(tokens) == 4
-    for e in tokens:
-        top = e["top_logprobs"]
-        assert len(top) == 3 and top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
-        assert e["token"] == top[0]["token"]  # greedy
-        assert np.isclose(e["logprob"], top[0]["logprob"])
-        assert e["logprob"] <= 0
+def test_sigusr1_dumps_stacks_and_the_process_goes_on() -> None:
+    code = """
+import os, signal, structlog
+from edge.signals import drain_on_signals
+drained = []
+drain_on_signals(drained.append, 1.0, structlog.get_logger())
+os.kill(os.getpid(), signal.SIGUSR1)   # a dump, not a drain, not an exit
+os.kill(os.getpid(), signal.SIGTERM)   # the drain, with the configured timeout
+print("alive", drained)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert out.returncode == 0, out
+    assert "alive [1.0]" in out.stdout
+    assert "Current thread" in out.stderr or "Thread 0x" in out.stderr, out.stderr

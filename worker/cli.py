@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from edge import EdgeConfig, EdgeServer, logs
 from edge import metrics as edge_metrics
 from edge.memory import reexec_with_tunables
-from edge.signals import drain_on_signals
+from edge.signals import drain_on_signals, exit_watchdog
 from protocol.sockets import SocketOptions
 
 from . import config
@@ -150,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.serve_forever()
     finally:
+        exit_watchdog()
         if exporter is not None:
             exporter.close()
         server.close()
