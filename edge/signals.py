@@ -19,19 +19,23 @@ import faulthandler
 import signal
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 # Closing sockets, the metrics server, the model and the park's files takes
 # well under a second; a clean-up still running after this is stuck.
 EXIT_WATCHDOG_S = 20.0
 
 
-def drain_on_signals(drain: Callable[[float], None], timeout_s: float, log: Any) -> None:
-    """Install the handlers: each signal is logged, then ``drain(timeout_s)``;
-    SIGUSR1 dumps every thread's stack to stderr."""
+def drain_on_signals(drain: Callable[[float], None], timeout_s: float) -> None:
+    """Install the handlers: SIGTERM and SIGINT call ``drain(timeout_s)``;
+    SIGUSR1 dumps every thread's stack to stderr.
 
-    def _stop(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal", signal=signal.Signals(signum).name)
+    The handler only sets a deadline and never logs: Python runs it on the
+    main thread between two bytecodes, possibly while that thread holds the
+    log stream's lock (structlog's ``PrintLogger`` takes a plain,
+    non-reentrant lock per file), and logging from it then waits on itself
+    forever. The loop logs ``drain_started`` after its pass instead."""
+
+    def _stop(_signum: int, _frame: FrameType | None) -> None:
         drain(timeout_s)
 
     signal.signal(signal.SIGINT, _stop)

@@ -84,7 +84,7 @@ def serve(argv: Sequence[str]) -> int:
             exporter.close()
         return 1
 
-    drain_on_signals(gateway.drain, cfg.drain_timeout_s, log)
+    drain_on_signals(gateway.drain, cfg.drain_timeout_s)
     log.info(
         "gateway_ready",
         endpoint=gateway.endpoint,

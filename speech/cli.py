@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.close()
         return 2
 
-    drain_on_signals(server.drain, args.drain_timeout_s, log)
+    drain_on_signals(server.drain, args.drain_timeout_s)
     log.info("speech worker ready", endpoint=server.endpoint, voices=list(engine.voices))
     try:
         server.serve_forever()

@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=str(exc))
         return 1
 
-    drain_on_signals(server.drain, cfg.drain_timeout_s, log)
+    drain_on_signals(server.drain, cfg.drain_timeout_s)
     log.info(
         "worker_ready",
         endpoint=server.endpoint,
