@@ -2,6 +2,13 @@
 """A 2-stage chain (layers 0:9 -> 9:18) beside one whole-model worker.
 
     .venv/bin/python scripts/bench_stages.py [--tokens 64] [--frame-dtype f32|f16]
+    .venv/bin/python scripts/bench_stages.py --pinned [--rounds 3] [--cut 9] [--groups 2]
+
+``--pinned`` is the "two hosts vs one host" comparison on one machine: one
+worker ``--threads 1 --cpus 0`` against stage 0 ``--cpus 0`` + stage 1
+``--cpus 1`` (each ``--threads 1``, stage 0 with ``--pipeline-groups``),
+interleaved rounds at c=1, 4, 8 and a staggered load: tok/s, TTFT, ITL p50 /
+p99, the ratio chain / one worker, and the logits of both in the same run.
 
 Printed, all from one run:
 - aggregate tok/s of ``generate`` at concurrency 1 and 8, chain vs one worker,
@@ -42,10 +49,14 @@ PROMPTS = [
 ]
 
 
-def start(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+def start(
+    tmp: Path, name: str, *args: str, threads: int = 2
+) -> tuple[subprocess.Popen[bytes], str]:
     endpoint = f"ipc://{tmp}/{name}.sock"
     log = (tmp / f"{name}.log").open("wb")
-    cmd = [sys.executable, "-m", "worker.cli", "--bind", endpoint, "--threads", "2", *args]
+    cmd = [
+        sys.executable, "-m", "worker.cli", "--bind", endpoint, "--threads", str(threads), *args,
+    ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     with Client(endpoint) as c:
         c.wait_ready(300, alive=lambda: proc.poll() is None)
@@ -137,12 +148,139 @@ def wire_bytes_per_token(n_embd: int, dtype: str) -> int:
     return len(transport.encode(header)) + rows.nbytes
 
 
+def streamed(
+    endpoint: str, streams: int, max_tokens: int, gap_ms: int = 0, prompt_repeat: int = 1
+) -> dict[str, float]:
+    """Streamed generations: aggregate tok/s, TTFT p50, ITL p50 / p99 (ms)."""
+    runs: list[tuple[int, float, list[float]]] = [(0, 0.0, [])] * streams
+
+    def one(i: int) -> None:
+        time.sleep(i * gap_ms / 1000)
+        args = {
+            "prompt": PROMPTS[i % len(PROMPTS)] * prompt_repeat,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        }
+        n, ttft, itls, last = 0, 0.0, [], 0.0
+        with Client(endpoint, timeout_ms=300_000) as c:
+            t0 = time.perf_counter()
+            for event in c.generate(args):
+                now = time.perf_counter()
+                if event.header.get("event") != "token":
+                    continue
+                n += 1
+                if n == 1:
+                    ttft = now - t0
+                else:
+                    itls.append(now - last)
+                last = now
+        runs[i] = (n, ttft, itls)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    itls = sorted(x for r in runs for x in r[2]) or [0.0]
+    return {
+        "tok_s": sum(r[0] for r in runs) / wall,
+        "ttft_ms": statistics.median(r[1] for r in runs) * 1e3,
+        "itl_p50_ms": itls[len(itls) // 2] * 1e3,
+        "itl_p99_ms": itls[min(len(itls) - 1, int(len(itls) * 0.99))] * 1e3,
+    }
+
+
+Runs = dict[str, list[dict[str, float]]]  # who ("one", "chain") -> each round's figures
+
+
+def pinned(args: argparse.Namespace) -> None:
+    """One worker on core 0 vs a 2-stage chain on cores 0 and 1."""
+    common = ("--lanes", "8", "--ctx", "8192")
+    cut = str(args.cut)
+    with tempfile.TemporaryDirectory(prefix="skiff-stages-") as tmp_s:
+        tmp = Path(tmp_s)
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            full, full_ep = start(tmp, "full", *common, "--cpus", "0", threads=1)
+            procs.append(full)
+            s1, s1_ep = start(tmp, "s1", *common, "--layers", f"{cut}:18", "--cpus", "1", threads=1)
+            procs.append(s1)
+            s0, s0_ep = start(
+                tmp, "s0", *common, "--layers", f"0:{cut}", "--next", s1_ep, "--cpus", "0",
+                "--pipeline-groups", str(args.groups), threads=1,
+            )  # fmt: skip
+            procs.append(s0)
+            with Client(full_ep) as c:
+                n_embd = c.info()["model"]["n_embd"]
+            ms_full, tok_full, log_full = step_ms(full_ep)
+            ms_chain, tok_chain, log_chain = step_ms(s0_ep)
+            diff = float(np.max(np.abs(log_full - log_chain))) if tok_full == tok_chain else None
+            print(
+                f"pinned: one worker (--threads 1 --cpus 0) vs 2-stage chain 0:{cut} (cpu 0) -> "
+                f"{cut}:18 (cpu 1), --pipeline-groups {args.groups}, {args.tokens} new tokens, "
+                f"{args.rounds} interleaved rounds"
+            )
+            print(
+                f"  decode step c=1: chain {ms_chain:.1f} ms | one worker {ms_full:.1f} ms | "
+                f"per-hop latency {ms_chain - ms_full:.2f} ms "
+                f"({(ms_chain - ms_full) / ms_full:.1%} of a step)"
+            )
+            print(
+                f"  greedy tokens identical: {tok_full == tok_chain} | max |logit diff| {diff} "
+                f"over {len(log_full)} steps | wire bytes per token "
+                f"{wire_bytes_per_token(n_embd, 'f32')}"
+            )
+            loads = [(f"c={c}", c, 0, 1) for c in (1, 4, 8)]
+            loads.append((f"staggered 8 x {args.gap_ms} ms", 8, args.gap_ms, 4))
+            seen: dict[str, Runs] = {}
+            for r in range(args.rounds):
+                for name, conc, gap, rep in loads:
+                    order = [("one", full_ep), ("chain", s0_ep)]
+                    for who, ep in order if r % 2 == 0 else order[::-1]:
+                        got = streamed(ep, conc, args.tokens, gap, rep)
+                        seen.setdefault(name, {}).setdefault(who, []).append(got)
+            print(
+                f"  {'load':<24}{'one tok/s':>10}{'chain':>9}{'ratio':>7}{'TTFT one':>10}"
+                f"{'chain':>8}{'ITL p50 one':>12}{'chain':>7}{'p99 one':>9}{'chain':>7}"
+            )
+            for name, runs in seen.items():
+
+                def med(
+                    who: str, key: str, runs: dict[str, list[dict[str, float]]] = runs
+                ) -> float:
+                    return statistics.median(x[key] for x in runs[who])
+
+                pairs = zip(runs["one"], runs["chain"], strict=True)
+                ratios = [c["tok_s"] / o["tok_s"] for o, c in pairs]
+                print(
+                    f"  {name:<24}{med('one', 'tok_s'):>10.1f}{med('chain', 'tok_s'):>9.1f}"
+                    f"{statistics.median(ratios):>7.2f}{med('one', 'ttft_ms'):>10.0f}"
+                    f"{med('chain', 'ttft_ms'):>8.0f}{med('one', 'itl_p50_ms'):>12.1f}"
+                    f"{med('chain', 'itl_p50_ms'):>7.1f}{med('one', 'itl_p99_ms'):>9.1f}"
+                    f"{med('chain', 'itl_p99_ms'):>7.1f}"
+                    f"   (ratios per round: {', '.join(f'{x:.2f}' for x in ratios)})"
+                )
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per generate")
     ap.add_argument("--frame-dtype", choices=("f32", "f16"), default="f32")
     ap.add_argument("--gap-ms", type=int, default=150, help="staggered workload: arrival gap")
+    ap.add_argument("--pinned", action="store_true", help="one core per stage vs one core")
+    ap.add_argument("--rounds", type=int, default=3, help="--pinned: interleaved rounds")
+    ap.add_argument("--cut", type=int, default=9, help="--pinned: the first layer of stage 1")
+    ap.add_argument("--groups", type=int, default=2, help="--pinned: stage 0's --pipeline-groups")
     args = ap.parse_args()
+    if args.pinned:
+        pinned(args)
+        return
     common = ("--lanes", "8", "--ctx", "16384")
     with tempfile.TemporaryDirectory(prefix="skiff-stages-") as tmp_s:
         tmp = Path(tmp_s)

@@ -854,8 +854,10 @@ def test_prefill_is_cut_to_the_time_left_while_streams_decode() -> None:
 # -- a pipeline stage: forwards in flight down the chain ------------------------
 
 
-def chain_harness(lanes: int = 3, credit: int = 2) -> tuple[Harness, FakeChainRuntime]:
-    h = Harness(lanes=lanes, chained=True, chain_credit=credit)
+def chain_harness(
+    lanes: int = 3, credit: int = 2, groups: int = 1
+) -> tuple[Harness, FakeChainRuntime]:
+    h = Harness(lanes=lanes, chained=True, chain_credit=credit, pipeline_groups=groups)
     assert isinstance(h.rt, FakeChainRuntime)
     return h, h.rt
 
@@ -878,6 +880,41 @@ def test_stage_launches_other_jobs_while_a_forward_is_down_the_chain() -> None:
     # one batch again: streams never drift into two half-size batches
     assert h.rt.sessions_of(2) == [h.session(a), h.session(b)]
     assert len(h.tokens(b)) == 1
+
+
+def test_pipeline_groups_split_the_streams_into_groups_that_take_turns() -> None:
+    """Stages on separate hosts: with 2 groups, 8 streams travel as two
+    forwards of 4 that alternate, so each stage computes while the other does."""
+    h, rt = chain_harness(lanes=8, groups=2)
+    jobs = [h.submit(h.generate(max_tokens=6)) for _ in range(8)]
+    h.turn()  # the prompts start together: one launch
+    assert len(rt.out) == 1 and len(rt.calls[0]) == 8
+    rt.deliver(0)
+    h.turn()  # home: every stream decodes; the first group goes ...
+    h.turn()  # ... and the second right behind it, while the first is down the chain
+    assert [len(c) for c in rt.calls[1:]] == [4, 4]
+    first, second = (set(rt.sessions_of(i)) for i in (1, 2))
+    assert not first & second
+    for _ in range(8):  # steady state: whichever lands goes out again, alone
+        rt.deliver(0)
+        h.turn()
+        assert len(rt.out) == 2 and set(rt.sessions_of(len(rt.calls) - 1)) in (first, second)
+    assert all(len(h.tokens(j)) >= 4 for j in jobs)
+
+
+def test_pipeline_groups_take_what_is_there_and_never_exceed_their_credit() -> None:
+    h, rt = chain_harness(lanes=4, credit=1, groups=2)  # the credit is at least the groups
+    one = h.submit(h.generate(max_tokens=4))
+    h.turn()
+    rt.deliver(0)
+    h.turn()
+    assert len(rt.calls[-1]) == 1  # one stream cannot be split: it goes alone
+    others = [h.submit(h.generate(max_tokens=4)) for _ in range(2)]
+    h.turn()  # new prompts overlap the stream in flight: credit 2, not 1
+    assert len(rt.out) == 2
+    h.turn()
+    assert len(rt.out) == 2 and rt.land_waits[-1] > 0  # out of credit: it waits
+    assert h.tokens(one) and not any(h.tokens(j) for j in others)
 
 
 def test_stage_never_has_more_forwards_in_flight_than_its_credit() -> None:

@@ -57,6 +57,7 @@ class WorkerConfig:
     next: str = ""  # the next stage's endpoint (a stage without the last layer)
     frame_dtype: str = "f32"  # hidden rows sent to the next stage: f32 (exact) or f16
     chain_credit: int = 2  # forwards a stage keeps in flight down the chain (1 = no pipelining)
+    pipeline_groups: int = 1  # decode groups taking turns down the chain (stages on separate hosts)
     curve_secret_key: str = ""  # CURVE on (docs/security.md): own secret certificate; "" = plain
     curve_authorized: str = ""  # directory of the client public certificates allowed in
     curve_server_key: str = ""  # public certificate of the servers dialled (the next stage)
@@ -177,6 +178,14 @@ _OPTIONS: list[tuple[str, type, str]] = [
         int,
         "forwards a stage keeps in flight down the chain (pipelining); 1 = wait for each",
     ),
+    (
+        "pipeline-groups",
+        int,
+        "stage 0: decode streams split into this many groups that take turns down the "
+        "chain, so every stage computes while the others do (set it to the number of "
+        "stages when they run on separate hosts or cores); 1 = one batch that waits "
+        "for the streams in flight (stages sharing cores)",
+    ),
     ("metrics-port", int, "serve Prometheus metrics on this HTTP port (/metrics); 0 = off"),
     ("metrics-host", str, "address the metrics port binds"),
     (
@@ -257,9 +266,11 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
         or cfg.batch < 1
         or cfg.prefill_chunk < 1
         or cfg.chain_credit < 1
+        or cfg.pipeline_groups < 1
     ):
         raise SystemExit(
-            "skiff-worker: lanes, ctx, batch, prefill-chunk and chain-credit must be positive"
+            "skiff-worker: lanes, ctx, batch, prefill-chunk, chain-credit and pipeline-groups "
+            "must be positive"
         )
     try:
         parse_cpus(cfg.cpus)

@@ -96,6 +96,7 @@ class LlmService:
                 admission_timeout_ms=cfg.admission_timeout_ms,
                 cadence=cfg.cadence,
                 chain_credit=cfg.chain_credit,
+                pipeline_groups=cfg.pipeline_groups,
                 max_sessions_per_peer=self.limits.max_sessions_per_peer,
                 max_streams_per_peer=self.limits.max_streams_per_peer,
             ),

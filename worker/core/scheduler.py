@@ -62,6 +62,10 @@ class SchedulerConfig:
     admission_timeout_ms: int = 60_000
     cadence: float = 0.0  # a turn with streams decoding lasts at most this x a decode turn; 0 = off
     chain_credit: int = 2  # a pipeline stage's forwards in flight down the chain at once
+    # Decode groups a pipeline stage keeps apart (one per stage on separate
+    # hosts: each stage computes one group while the next computes another);
+    # 1 = decode rows wait to rejoin the streams in flight (shared cores).
+    pipeline_groups: int = 1
     max_sessions_per_peer: int = 0  # named sessions one peer holds, admitted or queued; 0 = off
     max_streams_per_peer: int = 0  # generations one peer has queued or running; 0 = off
 
@@ -170,12 +174,14 @@ class Scheduler:
         now = time.monotonic()
         self._reap(now)
         self._start_pending(now)
-        if len(self.outcomes.flying) >= max(1, self.cfg.chain_credit) or self.outcomes.rejoin(
-            self.active
+        groups = max(1, self.cfg.pipeline_groups) if self.rt.chained else 1
+        credit = max(1, self.cfg.chain_credit, groups)
+        if len(self.outcomes.flying) >= credit or (
+            groups == 1 and self.outcomes.rejoin(self.active)
         ):
             self.outcomes.land(_LAND_WAIT_MS)  # out of credit, or decodes waiting to rejoin
             return
-        steps, owners = self._plan()
+        steps, owners = self._plan(self._group_size(groups))
         if not steps:
             if self.outcomes.flying:
                 self.outcomes.land(_LAND_WAIT_MS)
@@ -275,8 +281,19 @@ class Scheduler:
             self.busy.update(job.sessions)
             blocked.update(job.sessions)
 
-    def _plan(self) -> tuple[list[Step], list[tuple[Job, int]]]:
+    def _group_size(self, groups: int) -> int | None:
+        """The most decode streams one launch takes: with ``groups`` > 1 the
+        streams split into that many groups of equal size that take turns
+        down the chain (lane order keeps each group's members the same from
+        one turn to the next); None = every ready stream."""
+        if groups <= 1:
+            return None
+        decoding = sum(1 for j in self.active if j.phase == PHASE_DECODE)
+        return max(1, -(-decoding // groups))
+
+    def _plan(self, group_size: int | None = None) -> tuple[list[Step], list[tuple[Job, int]]]:
         budget = self.cfg.max_batch_tokens
+        decodes = 0  # decode streams taken into this forward (``group_size`` caps them)
         steps: list[Step] = []
         owners: list[tuple[Job, int]] = []
         # Decode rows go in lane order, the same every turn: llama.cpp reuses
@@ -308,6 +325,10 @@ class Scheduler:
                     continue
                 if not in_phase:
                     continue
+                if phase == PHASE_DECODE and job is not boosted:
+                    if group_size is not None and decodes >= group_size:
+                        continue  # the next group's: it goes in the next launch
+                    decodes += 1
                 # plan() with no budget left returns nothing, and an atomic job
                 # that could not run is boosted to go first next turn.
                 try:
