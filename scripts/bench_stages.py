@@ -197,29 +197,33 @@ Runs = dict[str, list[dict[str, float]]]  # who ("one", "chain") -> each round's
 
 def pinned(args: argparse.Namespace) -> None:
     """One worker on core 0 vs a 2-stage chain on cores 0 and 1."""
-    common = ("--lanes", "8", "--ctx", "8192")
-    cut = str(args.cut)
+    common = ("--lanes", "8", "--ctx", "8192", "--model", args.model)
     with tempfile.TemporaryDirectory(prefix="skiff-stages-") as tmp_s:
         tmp = Path(tmp_s)
         procs: list[subprocess.Popen[bytes]] = []
         try:
             full, full_ep = start(tmp, "full", *common, "--cpus", "0", threads=1)
             procs.append(full)
-            s1, s1_ep = start(tmp, "s1", *common, "--layers", f"{cut}:18", "--cpus", "1", threads=1)
+            with Client(full_ep) as c:
+                model = c.info()["model"]
+            n_embd, n_layer = int(model["n_embd"]), int(model["n_layer"])
+            cut = str(args.cut or n_layer // 2)
+            s1, s1_ep = start(
+                tmp, "s1", *common, "--layers", f"{cut}:{n_layer}", "--cpus", "1", threads=1
+            )
             procs.append(s1)
             s0, s0_ep = start(
                 tmp, "s0", *common, "--layers", f"0:{cut}", "--next", s1_ep, "--cpus", "0",
                 "--pipeline-groups", str(args.groups), threads=1,
             )  # fmt: skip
             procs.append(s0)
-            with Client(full_ep) as c:
-                n_embd = c.info()["model"]["n_embd"]
             ms_full, tok_full, log_full = step_ms(full_ep)
             ms_chain, tok_chain, log_chain = step_ms(s0_ep)
             diff = float(np.max(np.abs(log_full - log_chain))) if tok_full == tok_chain else None
             print(
-                f"pinned: one worker (--threads 1 --cpus 0) vs 2-stage chain 0:{cut} (cpu 0) -> "
-                f"{cut}:18 (cpu 1), --pipeline-groups {args.groups}, {args.tokens} new tokens, "
+                f"pinned, model {Path(model['path']).name} ({n_layer} layers): one worker "
+                f"(--threads 1 --cpus 0) vs 2-stage chain 0:{cut} (cpu 0) -> {cut}:{n_layer} "
+                f"(cpu 1), --pipeline-groups {args.groups}, {args.tokens} new tokens, "
                 f"{args.rounds} interleaved rounds"
             )
             print(
@@ -275,7 +279,8 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=int, default=150, help="staggered workload: arrival gap")
     ap.add_argument("--pinned", action="store_true", help="one core per stage vs one core")
     ap.add_argument("--rounds", type=int, default=3, help="--pinned: interleaved rounds")
-    ap.add_argument("--cut", type=int, default=9, help="--pinned: the first layer of stage 1")
+    ap.add_argument("--cut", type=int, default=0, help="--pinned: stage 1's first layer (0 = half)")
+    ap.add_argument("--model", default="default", help="--pinned: GGUF path (make_models.py)")
     ap.add_argument("--groups", type=int, default=2, help="--pinned: stage 0's --pipeline-groups")
     args = ap.parse_args()
     if args.pinned:
