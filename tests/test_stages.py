@@ -119,6 +119,46 @@ def test_eight_sessions_batched_through_a_chain_match_one_worker(
     assert float(np.max(np.abs(got_logits - want_logits))) == 0.0
 
 
+def test_pipeline_groups_take_turns_down_the_chain_and_stay_exact(
+    client: Client, tmp_path: Path
+) -> None:
+    """``--pipeline-groups 2``: four greedy streams split into two groups that
+    overlap down the chain; each stream's tokens and logits equal the same
+    generation alone on one worker (batch invariance: a row does not depend
+    on which rows share its forward)."""
+    prompts = [client.tokenize(f"Letter {i}: dear friend by the {w},") for i, w in
+               enumerate(["sea", "hill", "river", "wood"])]  # fmt: skip
+    args: dict[str, Any] = {"max_tokens": 12, "ignore_eos": True, "output": ["logits"]}
+
+    def stream(c: Client, ids: list[int]) -> list[tuple[list[int], np.ndarray]]:
+        out = []
+        for i in ids:
+            events = [e for e in c.follow(i) if e.header.get("event") == "token"]
+            rows = np.stack([np.array(e.frame.array("logits")).reshape(-1) for e in events])
+            out.append(([int(e.header["token"]) for e in events], rows))
+        return out
+
+    want = [stream(client, [client.send("generate", None, {**args, "tokens": p})])[0]
+            for p in prompts]  # fmt: skip
+    common = ("--lanes", "4", "--ctx", "4096")
+    p1, e1, _ = start_worker(tmp_path, *common, "--layers", "9:18", name="g1")
+    p0, e0, _ = start_worker(
+        tmp_path, *common, "--layers", "0:9", "--next", e1, "--pipeline-groups", "2", name="g0"
+    )
+    try:
+        with Client(e0, timeout_ms=120_000) as head:
+            ids = [head.send("generate", None, {**args, "tokens": p}) for p in prompts]
+            got = stream(head, ids)
+            overlapped = head.stats()["overlapped_forwards"]
+    finally:
+        stop_worker(p0)
+        stop_worker(p1)
+    assert overlapped > 0  # the groups were down the chain at once
+    for (want_tokens, want_rows), (got_tokens, got_rows) in zip(want, got, strict=True):
+        assert got_tokens == want_tokens
+        assert float(np.max(np.abs(got_rows - want_rows))) == 0.0
+
+
 def _signals(client: Client, session: str, tokens: list[int], steps: int) -> list[Any]:
     """Every step's ``signal`` and the final ``signal_window`` of a greedy run."""
     out = [client.prefill_sampled(session, tokens)["token"]]

@@ -61,6 +61,7 @@ class SchedulerStats:
         self.forwards = 0
         self.decode_steps = 0
         self.coalesced_steps = 0
+        self.overlapped = 0  # a stage's forwards launched while another was down the chain
         self.occupancy = [0] * len(_BUCKETS)
         self._window: deque[tuple[float, int, int]] = deque()
         self._turn_s_total = 0.0
@@ -131,6 +132,7 @@ class SchedulerStats:
             "decode_coalescing_rate": round(self.coalesced_steps / max(1, self.decode_steps), 4),
             "decode_steps": self.decode_steps,
             "coalesced_decode_steps": self.coalesced_steps,
+            "overlapped_forwards": self.overlapped,
             "batch_occupancy": {str(b): n for b, n in zip(_BUCKETS, self.occupancy, strict=True)},
         }
 
@@ -289,6 +291,8 @@ class Outcomes:
             for job, _ in owners:
                 self.finish(job, exc)
             return
+        if self.flying:
+            self.stats.overlapped += 1  # pipelining: this one overlaps a forward in flight
         self.flying.append(_Flying(flight, owners, time.perf_counter()))
         self.flying_jobs.update(job for job, _ in owners)
 
