@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from protocol import Client, frames, transport  # noqa: E402
+from worker.slice.balance import best_cuts, measure, report  # noqa: E402
 
 PROMPTS = [
     f"Story {i}: once upon a time in a village by the {w}, there lived"
@@ -207,7 +208,12 @@ def pinned(args: argparse.Namespace) -> None:
             with Client(full_ep) as c:
                 model = c.info()["model"]
             n_embd, n_layer = int(model["n_embd"]), int(model["n_layer"])
-            cut = str(args.cut or n_layer // 2)
+            if args.cut:
+                cut = str(args.cut)
+            else:  # from measured costs: the head may outweigh every layer (skiff-slice --balance)
+                costs = measure(str(model["path"]), rows=max(1, 8 // args.groups), threads=1)
+                print(report(costs, 2))
+                cut = str(best_cuts(costs, 2).cuts[1])
             s1, s1_ep = start(
                 tmp, "s1", *common, "--layers", f"{cut}:{n_layer}", "--cpus", "1", threads=1
             )
@@ -279,7 +285,12 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=int, default=150, help="staggered workload: arrival gap")
     ap.add_argument("--pinned", action="store_true", help="one core per stage vs one core")
     ap.add_argument("--rounds", type=int, default=3, help="--pinned: interleaved rounds")
-    ap.add_argument("--cut", type=int, default=0, help="--pinned: stage 1's first layer (0 = half)")
+    ap.add_argument(
+        "--cut",
+        type=int,
+        default=0,
+        help="--pinned: stage 1's first layer; 0 = measured",
+    )
     ap.add_argument("--model", default="default", help="--pinned: GGUF path (make_models.py)")
     ap.add_argument("--groups", type=int, default=2, help="--pinned: stage 0's --pipeline-groups")
     args = ap.parse_args()

@@ -20,6 +20,7 @@ object is kept on the tap so it outlives every decode.
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -58,6 +59,9 @@ class LayerTap:
         self.last = max(self.names.values()) if self.names else -1
         self.stop = stop
         self._got: dict[int, list[np.ndarray]] = {}
+        # perf_counter() when each wanted layer's output was read (the last
+        # micro-batch's): the cost of each layer, for balancing a split
+        self.read_at: dict[int, float] = {}
         self._error: BaseException | None = None
         self.callback = ll.ggml_backend_sched_eval_callback(self._on_node)
 
@@ -80,6 +84,7 @@ class LayerTap:
                 raise TapError(f"{name.decode()} is not a contiguous [rows, n_embd] matrix")
             _lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
             self._got.setdefault(layer, []).append(out)
+            self.read_at[layer] = time.perf_counter()
             return not (self.stop and layer == self.last)
         except BaseException as exc:  # never into C
             self._error = exc
@@ -87,6 +92,7 @@ class LayerTap:
 
     def reset(self) -> None:
         self._got = {}
+        self.read_at = {}
         self._error = None
 
     def take(self) -> dict[int, list[np.ndarray]]:

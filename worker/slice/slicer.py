@@ -2,6 +2,7 @@
 
     skiff-slice MODEL.gguf --layers LO:HI -o OUT.gguf
     skiff-slice MODEL.gguf --validate LO:HI
+    skiff-slice MODEL.gguf --balance N [--rows 4] [--threads 1]
 
 A stage model keeps the token embeddings (the first stage embeds tokens; the
 packaged Gemma 3 has no ``output.weight`` — its head is tied to
@@ -244,8 +245,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--validate", metavar="LO:HI", help="compare a slice layer by layer")
     ap.add_argument("--slice", type=Path, help="with --validate: an existing slice to check")
     ap.add_argument("--no-swa-fix", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--balance",
+        type=int,
+        metavar="N",
+        help="measure each layer's and the head's cost and print the best split into N stages",
+    )
+    ap.add_argument("--rows", type=int, default=4, help="with --balance: decode batch size")
+    ap.add_argument("--threads", type=int, default=1, help="with --balance: compute threads")
     args = ap.parse_args(argv)
     try:
+        if args.balance:
+            from .balance import measure, report
+
+            costs = measure(str(args.model), rows=args.rows, threads=args.threads)
+            sys.stdout.write(report(costs, args.balance) + "\n")
+            return 0
         if args.validate:
             lo, hi = parse_range(args.validate)
             why = validate(args.model, lo, hi, args.slice)
