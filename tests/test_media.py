@@ -397,3 +397,44 @@ def test_cancel_part_way_leaves_the_session_where_it_was(
 def _fresh_logits(c: Client, tokens: list[int]) -> np.ndarray:
     c.prefill("fresh", tokens)
     return logits_after(c, "fresh", probe(c))
+
+
+def test_images_through_a_chain_equal_one_worker(
+    mc: Client, marker: str, projector_path: Path, tmp_path: Path
+) -> None:
+    """Stage 0 with ``--mmproj`` embeds the image and runs its rows through
+    its layers non-causally; the next stage does the same with them. The
+    session's next-token logits, and a generation with an image, equal one
+    worker's to the bit."""
+    prompt = f"Describe {marker} in a word:"
+    common = ("--lanes", "3", "--ctx", "3072", "--ubatch", "32")
+    want = mc.prefill_media("ref-chain", prompt, [IMAGE])
+    want_logits = logits_after(mc, "ref-chain", probe(mc))
+    gen = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "media": [{"buffer": 0}]}
+    want_tokens = [r.header.get("token") for r in mc.stream("generate", None, gen, buffers=[IMAGE])]
+    p1, e1, _ = start_worker(tmp_path, *common, "--layers", "9:18", name="m1")
+    p0, e0, _ = start_worker(
+        tmp_path, *common, "--layers", "0:9", "--next", e1, "--mmproj", str(projector_path),
+        name="m0",
+    )  # fmt: skip
+    try:
+        with Client(e0, timeout_ms=120_000) as head:
+            assert head.info()["media"]["marker"] == marker
+            got = head.prefill_media("chain", prompt, [IMAGE])
+            got_logits = logits_after(head, "chain", probe(head))
+            got_tokens = [
+                r.header.get("token") for r in head.stream("generate", None, gen, buffers=[IMAGE])
+            ]
+    finally:
+        stop_worker(p0)
+        stop_worker(p1)
+    assert (got["token"], got["token_count"]) == (want["token"], want["token_count"])
+    assert float(np.max(np.abs(got_logits - want_logits))) == 0.0
+    assert got_tokens == want_tokens and len(want_tokens) == 7  # 6 tokens, then done
+
+
+def test_a_later_stage_refuses_a_projector(projector_path: Path, tmp_path: Path) -> None:
+    """Only stage 0 embeds images: a projector on a later stage is a
+    configuration mistake, refused at startup by name."""
+    with pytest.raises(RuntimeError, match="stage 0"):
+        start_worker(tmp_path, "--layers", "9:18", "--mmproj", str(projector_path), name="bad")

@@ -123,8 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = str(resolve_model(cfg.draft_model))
             draft = DraftModel(DraftRuntime(build_engine(cfg, cfg.draft_model), path))
         if cfg.mmproj:
-            if stage is not None:
-                raise ValueError("--mmproj is not supported on a pipeline stage")
+            if stage is not None and not stage.first:
+                raise ValueError("--mmproj belongs on stage 0 (it embeds the images)")
             projector = load_projector(cfg, engine)
         service = LlmService(cfg, engine, draft=draft, stage=stage, projector=projector)
         metrics: WorkerMetrics | None = None

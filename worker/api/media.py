@@ -78,9 +78,8 @@ def get_messages(
 
 
 def projector_of(app: App) -> Projector:
-    """The worker's projector, or ``unsupported`` saying how to get one."""
-    if app.rt.tail is not None:
-        raise Unsupported("media is not supported on a pipeline stage (use a whole-model worker)")
+    """The worker's projector, or ``unsupported`` saying how to get one (on a
+    chain: stage 0 with ``--mmproj``; later stages refuse it at startup)."""
     if app.projector is None:
         raise Unsupported(
             "this worker has no multimodal projector: start it with --mmproj PATH "

@@ -174,6 +174,7 @@ def h_forward_frame(app: App, req: Request) -> dict[str, Any] | None:
                 get_bool(entry, "all_rows", False),
                 _row_rule(app, entry.get("rule"), i, n),
                 _origin(entry.get("origin"), i),
+                get_bool(entry, "non_causal", False),
             )
         )
         row += n

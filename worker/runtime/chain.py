@@ -54,7 +54,10 @@ def launch_chain(rt: ChainHost, steps: Sequence[Step]) -> int:
         Segment(s.session.lane, s.tokens, s.session.position, "none", s.embd) for s in steps
     ]
     rt.engine.set_hidden(False)
-    status = rt.engine.decode(segments)
+    # An image's rows (stage 0 with --mmproj) attend both ways here and on
+    # every later stage; group_steps keeps them in a forward of their own.
+    non_causal = any(s.non_causal for s in steps)
+    status = rt.engine.decode(segments, causal=not non_causal)
     rt.forwards += 1
     if not status.ok:
         rt.reconcile_after_failure(steps, status.describe())
@@ -77,6 +80,7 @@ def launch_chain(rt: ChainHost, steps: Sequence[Step]) -> int:
             all_rows=s.all_rows,
             rule=s.rule,
             origin=s.origin,
+            non_causal=s.non_causal,
         )
         for s in steps
     ]

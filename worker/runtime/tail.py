@@ -39,6 +39,7 @@ class TailStep:
     all_rows: bool = False  # every row scored (verify, speculation) ...
     rule: RowRule | None = None  # ... and sampled by this rule where the logits are
     origin: Origin | None = None  # answered directly to the head stage (3+ stages)
+    non_causal: bool = False  # an image's rows: bidirectional attention on every stage
 
 
 @dataclass

@@ -8,7 +8,8 @@ Both ends read and write these maps here, so the schema has one home:
 - request step (``step_out`` / ``STEP_FIELDS``): ``session``, ``tokens``,
   ``position``, ``sample``, ``sampling``, ``output``, ``capture_all``,
   ``top_logprobs``; ``all_rows`` and ``rule`` for a scored span; ``origin``
-  when the last stage answers the head directly;
+  when the last stage answers the head directly; ``non_causal`` for an
+  image's rows (stage 0 with ``--mmproj``: every stage attends both ways);
 - reply entry (``result_out`` / ``result_in``): ``token``, ``rows`` (how many
   rows of the reply's frame are this step's), and when present
   ``logprobs``, ``error``, ``row_tokens`` / ``row_logprobs``, or
@@ -44,6 +45,7 @@ STEP_FIELDS = frozenset(
         "all_rows",
         "rule",
         "origin",
+        "non_causal",
     }
 )
 
@@ -66,6 +68,8 @@ def step_out(step: TailStep) -> dict[str, Any]:
         out["rule"] = step.rule.to_wire()
     if step.origin is not None:
         out["origin"] = origin_out(step.origin)
+    if step.non_causal:
+        out["non_causal"] = True
     return out
 
 

@@ -153,6 +153,7 @@ class StageStep:
     all_rows: bool = False
     rule: RowRule | None = None
     origin: Origin | None = None
+    non_causal: bool = False  # an image's rows (stage 0 with --mmproj)
 
 
 class StageForwardJob(Job):
@@ -210,6 +211,7 @@ class StageForwardJob(Job):
                 all_rows=s.all_rows,
                 rule=s.rule,
                 origin=s.origin,
+                non_causal=s.non_causal,
             )
             for session, s in zip(self.bound, self.steps, strict=True)
         ]
