@@ -13,6 +13,10 @@ or down and whether it answers. ``down`` sends SIGTERM to each process group
 (the gateway first, so it stops routing before its workers go), SIGKILL after
 ``--grace`` seconds, and removes the state. Logs stay in ``RUN_DIR/logs``.
 
+``up --chain 0:9,9:18`` adds a pipeline of stages (``chain-s0`` ...) beside
+the workers; the gateway lists its stage 0 as one more worker (a chain
+answers every op a worker does), the later stages only as stage 0's next.
+
 ``up --curve DIR`` turns CURVE on everywhere (docs/security.md): it makes the
 key pairs it lacks in DIR (``servers`` for every worker, ``gateway``,
 ``client``), lists ``client`` and ``gateway`` in ``DIR/authorized``, and
@@ -135,6 +139,11 @@ def alive(proc: Proc) -> bool:
 def plan(args: argparse.Namespace, run_dir: Path) -> list[Proc]:
     """Every process with its argv and endpoints, nothing started yet."""
     names = [f"worker-{i + 1}" for i in range(args.workers)]
+    # A chain behind the gateway: its last stage first (it loads while the
+    # earlier ones start), stage 0 the one the gateway routes to.
+    ranges = [r for r in args.chain.split(",") if r] if args.chain else []
+    stages = [f"chain-s{i}" for i in range(len(ranges))]
+    names += stages[::-1]
     if args.speech:
         names.append("speech")
     if args.gateway:
@@ -153,8 +162,10 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Proc]:
     procs: list[Proc] = []
     keys: Path | None = args.curve.resolve() if args.curve else None
     flags = curve_dir(keys) if keys else {"worker": [], "gateway": []}
+    chain_eps = {name: endpoint(name) for name in stages}
     for name in names:
-        ep, metrics, log_path = endpoint(name), next(ports), str(run_dir / "logs" / f"{name}.log")
+        ep = chain_eps.get(name) or endpoint(name)
+        metrics, log_path = next(ports), str(run_dir / "logs" / f"{name}.log")
         if name == "speech":
             argv = [py, "-m", "speech.cli", "--bind", ep, "--threads", "1"]
             argv += ["--log-format", "json", *flags["worker"]]
@@ -163,17 +174,26 @@ def plan(args: argparse.Namespace, run_dir: Path) -> list[Proc]:
             http = f"127.0.0.1:{next(ports)}"
             argv = [py, "-m", "gateway.cli", "--bind", ep, "--http", http]
             for p in procs:
-                argv += ["--speech" if p.role == "speech" else "--worker", p.endpoint]
+                if p.role != "stage":  # a chain is reached through its stage 0
+                    argv += ["--speech" if p.role == "speech" else "--worker", p.endpoint]
             argv += ["--metrics-port", str(metrics), "--log-format", "json", *flags["gateway"]]
             argv += args.gateway_arg
             procs.append(Proc(name, "gateway", argv, ep, metrics, log_path, http=f"http://{http}"))
         else:
-            threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+            llm = args.workers + len(stages)
+            threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, llm))
             argv = [py, "-m", "worker.cli", "--bind", ep, "--model", args.model]
             argv += ["--lanes", str(args.lanes), "--ctx", str(args.ctx)]
             argv += ["--threads", str(threads), "--log-format", "json", *flags["worker"]]
             argv += args.worker_arg
-            procs.append(Proc(name, "worker", argv, ep, metrics, log_path))
+            role = "worker"
+            if name in chain_eps:
+                i = stages.index(name)
+                argv += ["--layers", ranges[i]]
+                if i + 1 < len(stages):
+                    argv += ["--next", chain_eps[stages[i + 1]]]
+                role = "worker" if i == 0 else "stage"
+            procs.append(Proc(name, role, argv, ep, metrics, log_path))
     if keys is not None:
         for p in procs:
             p.server_key = str(keys / ("gateway.key" if p.role == "gateway" else "servers.key"))
@@ -420,6 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start detached, wait for health, print endpoints (JSON)")
     up.add_argument("--workers", type=int, default=2, help="LLM workers (default 2)")
+    up.add_argument(
+        "--chain",
+        default="",
+        metavar="LO:HI,LO:HI,...",
+        help="also a pipeline of stages with these layer ranges; the gateway routes to its stage 0",
+    )
     up.add_argument("--no-speech", dest="speech", action="store_false", help="no speech worker")
     up.add_argument("--no-gateway", dest="gateway", action="store_false", help="no gateway")
     up.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")

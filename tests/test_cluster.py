@@ -233,3 +233,47 @@ def test_gateway_topology_up_status_down(run_dir: Path) -> None:
     # in ``down``'s stderr (scripts/cluster.py stop): show them.
     assert set(down["stopped"].values()) == {"terminated"}, (down, err)
     assert all(_gone(pid) for pid in pids)
+
+
+def test_a_chain_behind_the_gateway_is_routed_to_like_a_worker(run_dir: Path) -> None:
+    """``up --chain 0:9,9:18``: the gateway lists the chain's stage 0 as a
+    worker, places sessions on it, and what they generate equals one worker."""
+    code, up, err = _cluster(
+        run_dir, "up", "--workers", "1", "--no-speech", "--chain", "0:9,9:18", *SMALL
+    )
+    assert code == 0, err
+    assert set(up["processes"]) == {"worker-1", "chain-s0", "chain-s1", "gateway"}
+    roles = {name: p["role"] for name, p in up["processes"].items()}
+    assert roles["chain-s0"] == "worker" and roles["chain-s1"] == "stage"
+    head = up["processes"]["chain-s0"]["endpoint"]
+    try:
+        with Client(up["gateway"], timeout_ms=WAIT_MS) as gw:
+
+            def both_up() -> bool:
+                workers = gw.call("gateway_status").result["workers"]
+                return sum(bool(w["up"]) for w in workers) == 2
+
+            wait_until(both_up, what="the worker and the chain up behind the gateway")
+            endpoints = {w["endpoint"] for w in gw.call("gateway_status").result["workers"]}
+            assert endpoints == {up["processes"]["worker-1"]["endpoint"], head}
+            args = {"prompt": "The harbour at dawn", "max_tokens": 6, "ignore_eos": True}
+            sessions = [f"conv{i}" for i in range(4)]
+            ids = [gw.send("generate", s, {**args, "stream": False}) for s in sessions]
+            tokens = {
+                s: gw.recv(i).raise_for_error().result["tokens"]
+                for s, i in zip(sessions, ids, strict=True)
+            }
+            placed = {
+                s: w["endpoint"]
+                for w in gw.call("gateway_status").result["workers"]
+                for s in w["sessions"]
+            }
+        on_chain = [s for s in sessions if placed.get(s) == head]
+        assert on_chain, placed  # the least-loaded policy spread them over both
+        with Client(up["processes"]["worker-1"]["endpoint"], timeout_ms=WAIT_MS) as one:
+            want = one.call("generate", None, {**args, "stream": False}).result["tokens"]
+        assert all(tokens[s] == want for s in sessions)
+    finally:
+        code, down, err = _cluster(run_dir, "down", *GRACE)
+        assert code == 0, err
+    assert set(down["stopped"].values()) == {"terminated"}, (down, err)
