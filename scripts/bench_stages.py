@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,17 @@ def start(
     return proc, endpoint
 
 
+def concurrently(one: Callable[[int], None], n: int) -> float:
+    """Run ``one(0) .. one(n - 1)`` on threads at once; the wall seconds."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def generations(
     endpoint: str, streams: int, max_tokens: int, gap_ms: int = 0, prompt_repeat: int = 1
 ) -> float:
@@ -86,13 +98,7 @@ def generations(
             )
             done[i] = len(r.result["tokens"])
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(done) / (time.perf_counter() - t0)
+    return sum(done) / concurrently(one, streams)
 
 
 def throughput(endpoint: str, concurrency: int, max_tokens: int) -> float:
@@ -177,13 +183,7 @@ def streamed(
                 last = now
         runs[i] = (n, ttft, itls)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = concurrently(one, streams)
     itls = sorted(x for r in runs for x in r[2]) or [0.0]
     return {
         "tok_s": sum(r[0] for r in runs) / wall,

@@ -147,6 +147,21 @@ def test_failed_up_stops_what_it_started(run_dir: Path) -> None:
     assert leftovers == []
 
 
+def _detached(cluster: ModuleType, run_dir: Path, name: str, code: str) -> Any:
+    """``python -c code`` launched and recorded as the cluster's one process."""
+    proc = cluster.Proc(
+        name=name,
+        role="worker",
+        argv=[sys.executable, "-c", code],
+        endpoint="tcp://127.0.0.1:9",
+        metrics_port=0,
+        log=str(run_dir / "logs" / f"{name}.log"),
+    )
+    cluster.launch(proc)
+    cluster.save_state(run_dir, [proc])
+    return proc
+
+
 def test_down_kills_a_process_that_ignores_sigterm(run_dir: Path) -> None:
     cluster = _module()
     ready = run_dir / "ready"
@@ -154,16 +169,7 @@ def test_down_kills_a_process_that_ignores_sigterm(run_dir: Path) -> None:
         "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         f"pathlib.Path({str(ready)!r}).touch(); time.sleep(600)"
     )
-    proc = cluster.Proc(
-        name="stubborn",
-        role="worker",
-        argv=[sys.executable, "-c", code],
-        endpoint="tcp://127.0.0.1:9",
-        metrics_port=0,
-        log=str(run_dir / "logs" / "stubborn.log"),
-    )
-    cluster.launch(proc)
-    cluster.save_state(run_dir, [proc])
+    proc = _detached(cluster, run_dir, "stubborn", code)
 
     def ready_or_dead() -> bool:  # SIGTERM is ignored once ready exists
         assert not _gone(proc.pid), (run_dir / "logs" / "stubborn.log").read_text()
@@ -190,16 +196,7 @@ def test_down_dumps_the_stack_of_a_stuck_skiff_process(run_dir: Path) -> None:
         f"    pathlib.Path({str(ready)!r}).touch(); time.sleep(600)\n"
         "stuck_here()"
     )
-    proc = cluster.Proc(
-        name="stuck",
-        role="worker",
-        argv=[sys.executable, "-c", code],
-        endpoint="tcp://127.0.0.1:9",
-        metrics_port=0,
-        log=str(run_dir / "logs" / "stuck.log"),
-    )
-    cluster.launch(proc)
-    cluster.save_state(run_dir, [proc])
+    proc = _detached(cluster, run_dir, "stuck", code)
     wait_until(ready.exists, what="the stuck process ready")
     code_, down, err = _cluster(run_dir, "down", "--grace", "0.5")
     assert code_ == 0, err

@@ -18,14 +18,15 @@ closing_forever()
 """
 
 
-def test_exit_watchdog_ends_a_stuck_clean_up_with_its_stack() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _HANGS_AFTER_THE_LOOP],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter at the repository root."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S
     )
+
+
+def test_exit_watchdog_ends_a_stuck_clean_up_with_its_stack() -> None:
+    out = _python(_HANGS_AFTER_THE_LOOP)
     assert out.returncode == 1, out
     assert "closing_forever" in out.stderr  # where it hung
 
@@ -40,9 +41,7 @@ os.kill(os.getpid(), signal.SIGUSR1)   # a dump, not a drain, not an exit
 os.kill(os.getpid(), signal.SIGTERM)   # the drain, with the configured timeout
 print("alive", drained)
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S
-    )
+    out = _python(code)
     assert out.returncode == 0, out
     assert "alive [1.0]" in out.stdout
     assert "Current thread" in out.stderr or "Thread 0x" in out.stderr, out.stderr
@@ -68,12 +67,6 @@ print("drained", drained)
 
 
 def test_a_signal_during_a_log_write_does_not_deadlock() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_DURING_A_LOG_WRITE],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    out = _python(_SIGNAL_DURING_A_LOG_WRITE)
     assert out.returncode == 0, out
     assert "drained [2.5]" in out.stdout
