@@ -9,6 +9,11 @@ RSS climbs while the object count stays flat, the memory is below Python
 
 - ``rss_bytes``: resident set size now, from ``/proc/self/statm`` (Linux;
   ``None`` elsewhere). Cheap: one small file read per ``stats``.
+- ``rss_file_bytes``: the part of it backed by files (statm's ``shared``:
+  file pages and shared memory) — for a worker mostly the mapped model,
+  which llama.cpp reads through ``mmap``. Why: a pipeline stage should hold
+  only its share of the model, and this shows it apart from allocations
+  (KV cache, buffers, Python), which are the rest.
 - ``objects``: objects tracked by the cyclic garbage collector,
   ``len(gc.get_objects())`` — containers and instances, not ints or strings,
   which is where a leak of requests, sessions or peers shows. Counting walks
@@ -34,13 +39,19 @@ DEBUG_TYPES_ENV = "SKIFF_DEBUG_OBJECT_TYPES"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def rss_bytes() -> int | None:
-    """This process's resident set size in bytes, or None where unknown."""
+def resident() -> tuple[int, int] | tuple[None, None]:
+    """(resident bytes, of which file-backed) of this process, or Nones where unknown."""
     try:
         with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+            fields = f.read().split()
+        return int(fields[1]) * _PAGE, int(fields[2]) * _PAGE
     except (OSError, ValueError, IndexError):
-        return None
+        return None, None
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size in bytes, or None where unknown."""
+    return resident()[0]
 
 
 class ProcessStats:
@@ -68,9 +79,11 @@ class ProcessStats:
         now = time.monotonic()
         if now - self._counted_at >= self.refresh_s:
             self._recount(now)
+        rss, file_backed = resident()
         out: dict[str, Any] = {
             "pid": os.getpid(),
-            "rss_bytes": rss_bytes(),
+            "rss_bytes": rss,
+            "rss_file_bytes": file_backed,
             "objects": self._objects,
         }
         if self._types is not None:

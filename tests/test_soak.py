@@ -128,8 +128,9 @@ def test_process_section_counts_objects_and_reuses_the_count() -> None:
     try:
         stats = process.ProcessStats(refresh_s=3600)
         first = stats.snapshot()
-        assert set(first) == {"pid", "rss_bytes", "objects"}
+        assert set(first) == {"pid", "rss_bytes", "rss_file_bytes", "objects"}
         assert first["objects"] > 1000 and first["rss_bytes"] > 10 * 2**20
+        assert 0 < first["rss_file_bytes"] < first["rss_bytes"]
         keep: list[list[int]] = [[] for _ in range(5000)]  # 5000 new gc-tracked lists
         assert stats.snapshot()["objects"] == first["objects"]  # cached within refresh_s
         stats.refresh_s = 0.0
