@@ -3,7 +3,8 @@
 The reference is gguf.GGUFReader itself: every key the fast reader returns
 must equal what GGUFReader gives (arrays: their item type and length), on
 the packaged model, on a stage slice, and on small files built to put
-string, numeric and nested arrays in front of the keys a stage needs.
+string, numeric and nested arrays in front of the keys a stage needs; the
+tensor entries after them (where a slice's stand-ins are) likewise.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 
 from worker.slice.ggufmeta import (
@@ -21,6 +23,7 @@ from worker.slice.ggufmeta import (
     Value,
     iter_metadata,
     read_metadata,
+    read_tensor_infos,
 )
 from worker.slice.slicer import SliceError, cached_slice, model_info
 
@@ -185,3 +188,36 @@ def test_block_count_may_come_before_the_architecture(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs))
     assert _assert_same(path)["general.architecture"] == "llama"
     assert model_info(path) == ("llama", 5)
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_tensor_infos_match_gguf_reader(tmp_path: Path, alignment: int | None) -> None:
+    """Tensor entries after arrays of every kind, with the default alignment
+    and a custom one: names, GGML-order dims, types and file offsets as
+    GGUFReader finds them."""
+    path = tmp_path / "tensors.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, value, vtype, sub in ARRAYS_FIRST:
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    tensors = {
+        "a.weight": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b.weight": np.ones(5, dtype=np.float16),
+        "c.weight": np.zeros((4, 34), dtype=np.uint8),  # 4 rows of one Q8_0 block
+    }
+    for name, array in tensors.items():
+        raw = gguf.GGMLQuantizationType.Q8_0 if array.dtype == np.uint8 else None
+        writer.add_tensor(name, array, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    want = [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset))
+        for t in gguf.GGUFReader(str(path)).tensors
+    ]
+    got = [(t.name, t.dims, t.ggml_type, t.offset) for t in read_tensor_infos(path)]
+    assert got == want
+    assert got[-1][1:3] == ((32, 4), 8)
+    assert all(off % (alignment or 32) == 0 for *_, off in got)

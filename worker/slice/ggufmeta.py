@@ -14,6 +14,10 @@ recursively — without decoding their contents, and a caller that stops
 iterating stops the walk, so keys ahead of the vocabulary cost microseconds
 and only the pages they sit on are read.
 
+``read_tensor_infos`` walks on past the metadata to the tensor entries (name,
+dims, type, file offset): where a stage slice's stand-ins sit, for the tests
+and benchmarks that check they are never read, without a 13 s parse.
+
 Writing GGUF files (``skiff-slice``) still uses ``gguf``.
 """
 
@@ -25,6 +29,7 @@ from collections.abc import Collection, Generator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -148,34 +153,75 @@ class _Walker:
                 self.skip_items(inner_type, inner_count)
 
 
+def _header(buf: mmap.mmap, path: Path | str) -> tuple[_Walker, int, int]:
+    """A cursor past the header; the tensor count and the key/value count."""
+    if buf[:4] != GGUF_MAGIC:
+        raise GGUFMetaError(f"{path}: no GGUF magic")
+    # The version is small: read little-endian, a big-endian file's
+    # shows up with its low 16 bits zero (as gguf.GGUFReader decides).
+    order = "<"
+    if len(buf) >= 8 and struct.unpack_from("<I", buf, 4)[0] & 0xFFFF == 0:
+        order = ">"
+    walk = _Walker(buf, order, 4)
+    version = walk.u32()
+    if version not in SUPPORTED_VERSIONS:
+        raise GGUFMetaError(f"{path}: GGUF version {version} is not supported")
+    n_tensors = walk.u64()  # the tensor infos follow the metadata
+    return walk, n_tensors, walk.u64()
+
+
+def _mapped(fh: BinaryIO, path: Path | str) -> mmap.mmap:
+    try:
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except ValueError:  # an empty file cannot be mapped
+        raise GGUFMetaError(f"{path}: empty file, not a GGUF") from None
+
+
 def iter_metadata(path: Path | str) -> Generator[tuple[str, Value], None, None]:
     """Yield a GGUF's metadata ``(key, value)`` pairs in file order.
 
     Arrays come as ``GGUFArray`` (their contents are not read). Stop
     iterating once you have what you need: nothing past that is read.
     """
-    with Path(path).open("rb") as fh:
-        try:
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:  # an empty file cannot be mapped
-            raise GGUFMetaError(f"{path}: empty file, not a GGUF") from None
-        with buf:
-            if buf[:4] != GGUF_MAGIC:
-                raise GGUFMetaError(f"{path}: no GGUF magic")
-            # The version is small: read little-endian, a big-endian file's
-            # shows up with its low 16 bits zero (as gguf.GGUFReader decides).
-            order = "<"
-            if len(buf) >= 8 and struct.unpack_from("<I", buf, 4)[0] & 0xFFFF == 0:
-                order = ">"
-            walk = _Walker(buf, order, 4)
-            version = walk.u32()
-            if version not in SUPPORTED_VERSIONS:
-                raise GGUFMetaError(f"{path}: GGUF version {version} is not supported")
-            walk.u64()  # tensor count: the tensor infos follow the metadata
-            kv_count = walk.u64()
-            for _ in range(kv_count):
-                key = walk.string()
-                yield key, walk.value(walk.u32())
+    with Path(path).open("rb") as fh, _mapped(fh, path) as buf:
+        walk, _, kv_count = _header(buf, path)
+        for _ in range(kv_count):
+            key = walk.string()
+            yield key, walk.value(walk.u32())
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry: ``dims`` in GGML order (``ne[0]`` first), its GGML
+    type number, and where its data starts in the file."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int  # from the start of the file
+
+
+def read_tensor_infos(path: Path | str) -> list[TensorInfo]:
+    """Every tensor's entry, stepping over the metadata (a stage slice's
+    stand-ins are found by these offsets in tests and benchmarks)."""
+    alignment = 32  # GGUF's default; general.alignment overrides it
+    infos: list[tuple[str, tuple[int, ...], int, int]] = []
+    with Path(path).open("rb") as fh, _mapped(fh, path) as buf:
+        walk, n_tensors, kv_count = _header(buf, path)
+        for _ in range(kv_count):
+            key = walk.string()
+            value = walk.value(walk.u32())
+            if key == "general.alignment" and isinstance(value, int) and value > 0:
+                alignment = value
+        for _ in range(n_tensors):
+            name = walk.string()
+            n_dims = walk.u32()
+            if n_dims > 8:
+                raise GGUFMetaError(f"{path}: tensor {name!r} has {n_dims} dimensions")
+            dims = tuple(walk.u64() for _ in range(n_dims))
+            infos.append((name, dims, walk.u32(), walk.u64()))
+        start = -(-walk.offset // alignment) * alignment  # the data section, aligned
+    return [TensorInfo(name, dims, kind, start + off) for name, dims, kind, off in infos]
 
 
 def read_metadata(path: Path | str, keys: Collection[str]) -> dict[str, Value]:
