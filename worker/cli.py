@@ -48,6 +48,7 @@ def build_engine(
             batch_invariant=cfg.kernels == "exact",
             tap_layers=(stage.tap_layer,) if stage and stage.tap_layer is not None else (),
             tap_stop=bool(stage and stage.tap_layer is not None),
+            page_on_demand=stage is not None,  # a slice's stand-ins are never read
         )
     )
 

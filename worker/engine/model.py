@@ -24,6 +24,8 @@ Choices that matter:
   size; off, for the same reason (and the AMX repack faults on this CPU).
 - ``kv_unified`` only when lanes may use more than an equal share of the
   cells; otherwise each lane owns exactly ``n_ctx / lanes`` cells.
+- ``page_on_demand`` (stages): llama.cpp faults the whole file in at load;
+  ``pages.release`` lets go of it so a stage holds only the pages it reads.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
-from . import kernels
+from . import kernels, pages
 from .batch import Batch, Segment, ubatch_rows
 from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import FileDigest, restream
@@ -72,6 +74,8 @@ class EngineConfig:
     kv_unified: bool | None = None  # None: unified only when lanes may exceed an equal share
     tap_layers: tuple[int, ...] = ()  # capture these layers' outputs (pipeline stages)
     tap_stop: bool = False  # and stop the graph after the last of them
+    # after loading, keep only the model pages read since (pages.py): a stage
+    page_on_demand: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class Engine:
             ll.llama_model_free(self._model)
             raise EngineError("cannot create llama context")
         self._mem = ll.llama_get_memory(self._ctx)
+        self.released = pages.release(cfg.model_path) if cfg.page_on_demand else 0
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
         self.n_embd = int(ll.llama_model_n_embd(self._model))
         self.n_layer = int(ll.llama_model_n_layer(self._model))
