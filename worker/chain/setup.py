@@ -3,12 +3,16 @@
 A stage holding layers ``[LO, HI)``:
 - without ``--next`` it must hold the model's last layer; it loads the slice
   ``[LO, HI)`` and samples;
-- with ``--next`` it loads ``[LO, HI + 1)`` and taps the output of layer
-  ``HI - 1`` (slice numbering ``HI - LO - 1``), stopping the graph there: the
-  extra layer only keeps the tapped one from being the graph's last (whose
-  rows llama.cpp trims to the rows asked for logits).
+- with ``--next`` its slice adds block ``HI`` (a stand-in) and the stage taps
+  the output of layer ``HI - 1`` (slice numbering ``HI - LO - 1``), stopping
+  the graph there: the extra block only keeps the tapped one from being the
+  graph's last (whose rows llama.cpp trims to the rows asked for logits).
 
-Slices are cut once and cached beside the source model (``slicer.cached_slice``).
+Slices are cut once and cached beside the source model (``slicer.cached_slice``)
+and hold only what the stage reads (the embedding on the first, the head on
+the last; stand-ins elsewhere); the engine then lets go of the pages llama.cpp
+faulted in at load (``page_on_demand``), so a stage's resident model pages are
+the ones it reads.
 A stage's KV cache is laid out as a whole worker's (one stream per lane
 unless ``--ctx-per-lane`` asks for more than an equal share), so a session's
 cells sit in the same order and its attention sums match bit for bit; the
@@ -33,7 +37,7 @@ from .link import StageLink
 class StagePlan:
     layers: tuple[int, int]
     n_layer: int  # of the whole model
-    model_path: Path  # the slice this stage loads
+    model_path: Path  # the slice this stage loads (stage_parts: what it holds)
     tap_layer: int | None  # slice-numbered layer handed to the next stage
     next: str
     frame_dtype: str = "f32"
@@ -51,6 +55,7 @@ class StagePlan:
             "first": self.first,
             "last": not self.next,
             "frame_dtype": self.frame_dtype,
+            "slice": self.model_path.name,
             # the head dials the last stage directly (3+ stages) with this key
             **({"curve_key": self.curve.public_key.decode()} if self.curve else {}),
         }
@@ -72,8 +77,7 @@ def plan_stage(cfg: WorkerConfig) -> StagePlan | None:
             raise SliceError("the stage holding the last layer samples: it takes no --next")
         if not cfg.next and hi != n_layer:
             raise SliceError(f"a stage without --next must hold the last layer ({n_layer})")
-        load_hi = hi + 1 if cfg.next else hi
-        path = cached_slice(source, lo, load_hi)
+        path = cached_slice(source, lo, hi)
     except SliceError as exc:
         raise SystemExit(f"skiff-worker: {exc}") from None
     tap = hi - lo - 1 if cfg.next else None

@@ -1,14 +1,34 @@
-"""``skiff-slice``: a stage model holding layers ``[LO, HI)`` of a GGUF.
+"""``skiff-slice``: the model a pipeline stage holding layers ``[LO, HI)`` loads.
 
-    skiff-slice MODEL.gguf --layers LO:HI -o OUT.gguf
-    skiff-slice MODEL.gguf --validate LO:HI
+    skiff-slice MODEL.gguf --layers LO:HI -o OUT.gguf [--keep-all]
+    skiff-slice MODEL.gguf --validate LO:HI [--slice OUT.gguf]
     skiff-slice MODEL.gguf --balance N [--rows 4] [--threads 1]
 
-A stage model keeps the token embeddings (the first stage embeds tokens; the
-packaged Gemma 3 has no ``output.weight`` — its head is tied to
-``token_embd`` — so a sampling stage needs them too), the output norm and
-head, and blocks ``LO .. HI-1`` renumbered from 0, with ``block_count`` and
-every per-layer metadata array cut to match.
+A stage slice holds blocks ``LO .. HI-1`` renumbered from 0, with
+``block_count`` and every per-layer metadata array cut to match, the output
+norm, and of the rest only what its stage reads (issue 23: each stage holds
+only its share):
+
+- the token embedding when the stage is the first (it looks rows up) or the
+  last with a tied head (the packaged Gemma 3 has no ``output.weight``: its
+  head is ``token_embd`` itself);
+- ``output.weight``, if the model has one, only on the last stage;
+- a stage with a next stage also loads block ``HI`` (the engine taps layer
+  ``HI-1`` and stops the graph there; the extra block only keeps the tapped
+  one from being the graph's last, whose rows llama.cpp trims), never
+  computed.
+
+llama.cpp refuses a model without ``token_embd`` (``create_tensor`` with no
+``TENSOR_NOT_REQUIRED`` flag) and checks every tensor's shape, not its type.
+What a stage does not read is therefore a *stand-in*: the right name and
+shape, the embedding in the cheapest type whose blocks fit a row (Q1_0,
+1.125 bits a weight: 24 MB instead of 178 MB), the spare block in its own
+types, and no bytes at all on disk: stand-ins sit after every real tensor
+and the file is extended over them (a hole; read back as zeros). Missing
+``output.weight`` is allowed: llama.cpp then ties the head to ``token_embd``
+(a stand-in on a stage that never computes the head). The stand-ins' names
+go under ``skiff.stage.stand_ins``; tests fill them with NaN and get the
+same logits to the bit, and find none of their pages resident.
 
 Gemma 3 derives which layers use the sliding window (and their RoPE base)
 from the layer index — dense when ``(il + 1) % 6 == 0`` — so renumbering
@@ -31,6 +51,7 @@ import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +128,47 @@ def swa_pattern(arch: str, lo: int, hi: int) -> list[bool] | None:
     return [(il + 1) % every != 0 for il in range(lo, hi)]
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a slice holds besides its own blocks, by what its stage reads."""
+
+    embd: bool = True  # token embedding rows (the first stage looks tokens up)
+    head: bool = True  # the output head (the last stage's logits)
+    spare: bool = False  # block HI as a stand-in (a stage with a next stage)
+
+
+WHOLE = Parts()  # every tensor real, no spare block (skiff-slice --keep-all)
+
+
+def stage_parts(lo: int, hi: int, n_layer: int) -> Parts:
+    """What the stage holding ``[lo, hi)`` of ``n_layer`` reads: a stage has
+    a next stage exactly when it does not hold the last layer."""
+    return Parts(embd=lo == 0, head=hi == n_layer, spare=hi < n_layer)
+
+
+def standin_type(cols: int, source: Any) -> Any:
+    """The cheapest GGML type whose blocks fit a row of ``cols`` weights (llama.cpp
+    checks a tensor's shape, never its type): Q1_0 (128 weights in 18 bytes),
+    else MXFP4 (32 in 17), else the source's own type."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    for kind in (q.Q1_0, q.MXFP4):
+        if cols % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            return kind
+    return source
+
+
 def slice_model(
-    src: Path, lo: int, hi: int, out: Path, fix_swa: bool = True, sha256: str | None = None
+    src: Path,
+    lo: int,
+    hi: int,
+    out: Path,
+    fix_swa: bool = True,
+    sha256: str | None = None,
+    parts: Parts = WHOLE,
 ) -> Path:
-    """Write the stage model of layers ``[lo, hi)`` of ``src`` to ``out``."""
+    """Write the slice of blocks ``[lo, hi)`` of ``src`` holding ``parts`` to ``out``."""
     # Imported here: a worker imports this module at every start but slices
     # only on a cache miss, and gguf adds ~0.2 s of imports.
     import gguf
@@ -123,9 +181,9 @@ def slice_model(
             "its per-layer behaviour may not survive renumbering"
         )
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
-    if not 0 <= lo < hi <= n_layer:
+    if not 0 <= lo < hi <= n_layer or (parts.spare and hi == n_layer):
         raise SliceError(f"layers {lo}:{hi} are not a range of the model's {n_layer}")
-    count = hi - lo
+    end = hi + 1 if parts.spare else hi  # blocks in the file, the spare one included
     tmp = out.with_suffix(out.suffix + ".partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
     pattern_key = f"{arch}.attention.sliding_window_pattern"
@@ -137,70 +195,115 @@ def slice_model(
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         value: Any = field.contents()
         if name == f"{arch}.block_count":
-            value = count
+            value = end - lo
         elif (
             name.startswith(f"{arch}.")
             and vtype == gguf.GGUFValueType.ARRAY
             and isinstance(value, list)
             and len(value) == n_layer
         ):
-            value = value[lo:hi]  # a per-layer array
+            value = value[lo:end]  # a per-layer array
         writer.add_key_value(name, value, vtype, sub_type=sub)
-    pattern = swa_pattern(arch, lo, hi)
+    pattern = swa_pattern(arch, lo, end)
     if pattern is not None and fix_swa:
         writer.add_key_value(
             pattern_key, pattern, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL
         )
-    writer.add_key_value(
-        "skiff.stage.source_sha256", sha256 or file_sha256(src), gguf.GGUFValueType.STRING
-    )
+    real, stand_ins = _pick_tensors(reader.tensors, lo, hi, parts)
+    string = gguf.GGUFValueType.STRING
+    writer.add_key_value("skiff.stage.source_sha256", sha256 or file_sha256(src), string)
     writer.add_key_value("skiff.stage.layer_start", lo, gguf.GGUFValueType.UINT32)
-    writer.add_key_value("skiff.stage.layer_end", hi, gguf.GGUFValueType.UINT32)
+    writer.add_key_value("skiff.stage.layer_end", end, gguf.GGUFValueType.UINT32)
     writer.add_key_value("skiff.stage.source_block_count", n_layer, gguf.GGUFValueType.UINT32)
-    kept: list[tuple[str, Any]] = []
-    for tensor in reader.tensors:
-        name = tensor.name
-        if name.startswith("blk."):
-            il = int(name.split(".")[1])
-            if not lo <= il < hi:
-                continue
-            name = f"blk.{il - lo}." + name.split(".", 2)[2]
-        kept.append((name, tensor))
-    for name, tensor in kept:
+    if stand_ins:
+        names = [name for name, _, _ in stand_ins]
+        writer.add_key_value(
+            "skiff.stage.stand_ins", names, gguf.GGUFValueType.ARRAY, sub_type=string
+        )
+    for name, tensor in real:
         writer.add_tensor_info(
             name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
         )
+    hole = 0  # stand-ins come last: their bytes are never written
+    for name, shape, kind in stand_ins:
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, kind)
+        nbytes = int(np.prod(byte_shape))
+        writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, kind)
+        hole += writer.ggml_pad(nbytes, writer.data_alignment)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _, tensor in kept:
+    for _, tensor in real:
         writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-    writer.close()
+    writer.close()  # the last real tensor ends padded: the stand-ins start here
+    if hole:
+        with tmp.open("r+b") as fh:
+            fh.truncate(fh.seek(0, 2) + hole)
     tmp.replace(out)
     return out
 
 
+def _pick_tensors(
+    tensors: Sequence[Any], lo: int, hi: int, parts: Parts
+) -> tuple[list[tuple[str, Any]], list[tuple[str, tuple[int, ...], Any]]]:
+    """(real tensors renamed, stand-ins as (name, shape, type)) of a slice.
+
+    A stand-in's shape is in GGUF's row-major order (``[rows, cols]``), as
+    ``gguf`` writes quantized shapes."""
+    tied = not any(t.name == "output.weight" for t in tensors)
+    real: list[tuple[str, Any]] = []
+    stand_ins: list[tuple[str, tuple[int, ...], Any]] = []
+    for tensor in tensors:
+        name = tensor.name
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if name.startswith("blk."):
+            il = int(name.split(".")[1])
+            name = f"blk.{il - lo}." + name.split(".", 2)[2]
+            if lo <= il < hi:
+                real.append((name, tensor))
+            elif parts.spare and il == hi:  # loaded, never computed: its own types
+                stand_ins.append((name, shape, tensor.tensor_type))
+        elif name == "output.weight":
+            if parts.head:
+                real.append((name, tensor))
+            # else dropped: llama.cpp then uses token_embd as the head, never computed here
+        elif name == "token_embd.weight" and not (parts.embd or (parts.head and tied)):
+            stand_ins.append((name, shape, standin_type(shape[-1], tensor.tensor_type)))
+        else:
+            real.append((name, tensor))
+    return real, stand_ins
+
+
+def stage_slice_path(src: Path, sha256: str, lo: int, hi: int, folder: Path) -> Path:
+    """Where the stage ``[lo, hi)``'s slice of ``src`` is cached (named apart from
+    the ``layers-LO-HI`` slices of before stand-ins, which held everything)."""
+    return folder / f"{src.stem}.{sha256[:16]}.stage-{lo}-{hi}.gguf"
+
+
 def cached_slice(src: Path, lo: int, hi: int, cache_dir: Path | None = None) -> Path:
-    """The stage model for ``[lo, hi)``, sliced once and kept beside the source
-    (keyed by the source's sha256 and the range)."""
+    """The model the stage holding ``[lo, hi)`` loads (``stage_parts``), sliced
+    once and kept beside the source (keyed by its sha256 and the range)."""
     sha = file_sha256(src)
-    folder = cache_dir or src.parent
-    out = folder / f"{src.stem}.{sha[:16]}.layers-{lo}-{hi}.gguf"
+    out = stage_slice_path(src, sha, lo, hi, cache_dir or src.parent)
     if out.exists() and out.stat().st_size > 0:
         return out
-    folder.mkdir(parents=True, exist_ok=True)
-    return slice_model(src, lo, hi, out, sha256=sha)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _, n_layer = model_info(src)
+    return slice_model(src, lo, hi, out, sha256=sha, parts=stage_parts(lo, hi, n_layer))
 
 
 def validate(src: Path, lo: int, hi: int, sliced: Path | None = None, text: str = "") -> str | None:
     """Compare a slice's layers with the full model's; the first that differs
-    (``None`` when every layer is bit-identical)."""
+    (``None`` when every layer is bit-identical). Without ``sliced``, the
+    slice a stage holding ``[lo, hi)`` loads is cut to a temp dir."""
     prompt = text or "The lighthouse keeper climbed the stairs every evening, and the sea"
     full = layer_outputs(str(src), prompt, None, range(max(0, lo - 1), hi))
     feed = full.get(lo - 1) if lo > 0 else None
     if sliced is None:
         with tempfile.TemporaryDirectory(prefix="skiff-validate-") as tmp:
-            path = slice_model(src, lo, hi, Path(tmp) / "slice.gguf")
+            _, n_layer = model_info(src)
+            parts = stage_parts(lo, hi, n_layer)
+            path = slice_model(src, lo, hi, Path(tmp) / "slice.gguf", parts=parts)
             part = layer_outputs(str(path), prompt, feed, range(0, hi - lo))
     else:
         part = layer_outputs(str(sliced), prompt, feed, range(0, hi - lo))
@@ -218,11 +321,14 @@ def layer_outputs(
     """Every asked layer's output (``l_out-N``, all rows) for one prompt.
 
     With ``feed`` (``[tokens, n_embd]``) the model takes those rows as input
-    instead of the prompt's tokens (a slice that starts past layer 0).
+    instead of the prompt's tokens (a slice that starts past layer 0). The
+    graph stops after the last layer asked, as on a stage: a slice's spare
+    block and stand-in head are never computed.
     """
     from ..engine import Engine, EngineConfig, EngineError, Segment  # loads llama.cpp
 
-    engine = Engine(EngineConfig(model_path, n_ctx=2048, n_seq=1, tap_layers=tuple(layers)))
+    config = EngineConfig(model_path, n_ctx=2048, n_seq=1, tap_layers=tuple(layers), tap_stop=True)
+    engine = Engine(config)
     try:
         tokens = engine.tokenize(prompt)
         if feed is not None:
@@ -242,6 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("model", type=Path)
     ap.add_argument("--layers", help="LO:HI, the stage's layers")
     ap.add_argument("-o", "--out", type=Path, help="the stage model to write")
+    ap.add_argument(
+        "--keep-all",
+        action="store_true",
+        help="keep the embedding and head real and add no spare block (not a stage's slice)",
+    )
     ap.add_argument("--validate", metavar="LO:HI", help="compare a slice layer by layer")
     ap.add_argument("--slice", type=Path, help="with --validate: an existing slice to check")
     ap.add_argument("--no-swa-fix", action="store_true", help=argparse.SUPPRESS)
@@ -271,8 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.layers or not args.out:
             ap.error("give --layers LO:HI and -o OUT.gguf, or --validate LO:HI")
         lo, hi = parse_range(args.layers)
-        slice_model(args.model, lo, hi, args.out, fix_swa=not args.no_swa_fix)
-        sys.stdout.write(f"wrote {args.out} (layers {lo}:{hi})\n")
+        parts = WHOLE if args.keep_all else stage_parts(lo, hi, model_info(args.model)[1])
+        slice_model(args.model, lo, hi, args.out, fix_swa=not args.no_swa_fix, parts=parts)
+        sys.stdout.write(f"wrote {args.out} (layers {lo}:{hi}, {parts})\n")
         return 0
     except SliceError as exc:
         sys.stderr.write(f"skiff-slice: {exc}\n")
