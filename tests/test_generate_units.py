@@ -26,6 +26,9 @@ class _Rt:
     def __init__(self, pieces: dict[int, bytes]) -> None:
         self.engine = _Engine(pieces)
 
+    def owes(self, session_ids: object) -> bool:
+        return False  # a whole model: nothing is ever down a chain
+
 
 def _job(stop: list[str], max_tokens: int = 50, resume: Any = None) -> tuple[GenerateJob, _Sent]:
     outbox = Outbox()

@@ -26,6 +26,7 @@ from faults import (
     ErrorCode,
     LanesBusy,
     QueueFull,
+    StageUnavailable,
 )
 from worker.core.jobs.base import PHASE_PREFILL, Event, Failure, Job, Outbox, Output, Result, Ticket
 from worker.core.jobs.batch import AtomicBatchJob, BatchEntry
@@ -33,7 +34,17 @@ from worker.core.jobs.generate import GenerateJob
 from worker.core.jobs.session import DecodeJob, PrefillJob, SessionOpJob
 from worker.core.outcomes import TurnClock
 from worker.core.scheduler import Scheduler, SchedulerConfig
-from worker.runtime import Ephemeral, Flight, LanePool, Session, SessionId, Step, StepResult
+from worker.runtime import (
+    Call,
+    Ephemeral,
+    Flight,
+    LanePool,
+    Session,
+    SessionId,
+    Step,
+    StepResult,
+)
+from worker.runtime.tail import Answer
 from worker.spec import SamplerSpec
 
 # -- helpers -------------------------------------------------------------------
@@ -91,6 +102,11 @@ class FakeRuntime:
 
     park = None  # no parking: lanes are what they are
     pinned: Any = None  # set by the Scheduler
+    tail: Any = None  # a whole model: nothing goes down a chain
+    asked: dict[int, Call] = {}  # so nothing is ever asked of one
+
+    def owes(self, session_ids: Sequence[SessionId]) -> bool:
+        return any(c.session in session_ids for c in self.asked.values())
 
     def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]:
         return self.lanes.admit(session_ids, ephemeral)
@@ -174,21 +190,54 @@ class FakeRuntime:
     def totals(self) -> list[int]:
         return [sum(len(r.tokens) for r in call) for call in self.calls]
 
+    def turns_with_after(self, call: int) -> set[SessionId]:
+        """Sessions in any forward from ``call`` on."""
+        return {r.session for c in self.calls[call:] for r in c}
+
     def turns_with(self, session: SessionId) -> list[int]:
         return [i for i, call in enumerate(self.calls) if any(r.session == session for r in call)]
 
 
 class FakeChainRuntime(FakeRuntime):
     """A pipeline stage: ``launch`` runs the forward but holds its results
-    back (the rest of the chain computing) until the test ``deliver``s."""
+    back (the rest of the chain computing) until the test ``deliver``s; trim,
+    drop and other requests down the chain (``ask``) stay unanswered until
+    the test ``answer``s them."""
 
     chained = True
+    tail = "the rest of the chain"  # not None: a stage (the fake never calls it)
 
     def __init__(self, n_lanes: int, ctx_per_lane: int = 256) -> None:
         super().__init__(n_lanes, ctx_per_lane)
         self.out: list[Flight] = []  # launched, not landed
-        self.home: list[Flight] = []  # delivered, landing at the next poll
+        self.home: list[Flight | Call] = []  # delivered, landing at the next poll
         self.land_waits: list[int] = []
+        self.asked: dict[int, Call] = {}
+        self._tickets = itertools.count(1)
+
+    def ask(self, op: str, session: SessionId | None, send: Any) -> Call:
+        call = Call(op, session)
+        self.asked[next(self._tickets)] = call
+        return call
+
+    def trim(self, session_id: SessionId, token_count: int) -> int:
+        position = super().trim(session_id, token_count)
+        self.ask("trim", session_id, None)
+        return position
+
+    def drop(self, session_id: SessionId) -> None:
+        super().drop(session_id)
+        self.ask("drop", session_id, None)
+
+    def answer(self, op: str, fault: Exception | None = None, **result: Any) -> Call:
+        """The oldest unanswered ``op`` comes home at the next poll."""
+        call = next(c for c in self.asked.values() if c.op == op and c not in self.home)
+        if fault is not None:
+            call.fault = fault  # type: ignore[assignment]
+        else:
+            call.answer = Answer(dict(result))
+        self.home.append(call)
+        return call
 
     def launch(self, steps: Sequence[Step]) -> Flight:
         flight = Flight(list(steps))
@@ -201,9 +250,10 @@ class FakeChainRuntime(FakeRuntime):
         flight.fault = fault
         self.home.append(flight)
 
-    def land(self, timeout_ms: int) -> list[Flight]:
+    def land(self, timeout_ms: int) -> list[Flight | Call]:
         self.land_waits.append(timeout_ms)
         home, self.home = self.home, []
+        self.asked = {t: c for t, c in self.asked.items() if c not in home}
         return home
 
 
@@ -961,6 +1011,99 @@ def test_cancel_of_a_job_in_flight_waits_for_its_forward_to_land() -> None:
     h.turn()
     assert h.done(job)["finish_reason"] == "cancelled"
     assert not h.sched.has_work() and rt.out == []
+
+
+# -- a pipeline stage: session ops and other requests down the chain -------------------
+
+
+def test_a_drop_waits_for_the_chain_while_other_sessions_run_and_its_own_queue_up() -> None:
+    h, rt = chain_harness()
+    h.submit(h.prefill("s", 4))
+    h.run_chain()
+    drop = h.submit(SessionOpJob(h.ticket("drop"), "s", "drop"))
+    h.turn()
+    assert h.out(drop) == [] and "s" not in rt.lanes.sessions  # dropped here, asked below
+    again = h.submit(h.prefill("s", 3))  # the same session: waits behind the drop
+    other = h.submit(h.generate("g", max_tokens=2))
+    for _ in range(6):
+        while rt.out:
+            rt.deliver(0)
+        h.turn()
+    assert len(h.tokens(other)) == 2  # another session ran its whole stream meanwhile
+    assert h.out(drop) == [] and h.out(again) == []
+    assert "s" not in rt.turns_with_after(1)
+    rt.answer("drop")
+    h.run_chain()
+    assert h.result(drop) == {} and h.result(again)["position"] == 3
+
+
+def test_a_failed_answer_fails_its_job_with_the_chains_error() -> None:
+    h, rt = chain_harness()
+    h.submit(h.prefill("s", 4))
+    h.run_chain()
+    trim = h.submit(SessionOpJob(h.ticket("trim"), "s", "trim", 2))
+    h.turn()
+    rt.answer("trim", StageUnavailable("the next stage did not answer trim"))
+    h.turn()
+    assert isinstance(h.error(trim), StageUnavailable)
+    assert not h.sched.has_work() and rt.lanes.get("s") is not None  # trimmed here, as before
+
+
+def test_a_job_waiting_for_the_chain_is_reaped_only_once_its_answer_lands() -> None:
+    h, rt = chain_harness()
+    h.submit(h.prefill("s", 4))
+    h.run_chain()
+    trim = h.submit(SessionOpJob(h.ticket("trim"), "s", "trim", 2))
+    h.turn()
+    assert h.sched.cancel(PEER, trim.ticket.id)
+    h.turn(3)
+    assert h.out(trim) == [] and h.sched.active == [trim]  # the trim is down the chain
+    rt.answer("trim")
+    h.turn()
+    assert h.result(trim) == {"position": 2}  # it happened: the reply says so
+    assert not h.sched.has_work()
+
+
+class TrimmingJob(Job):
+    """Feeds ``n`` tokens one a turn, trimming the session back by one after
+    the second (as speculative decoding drops rejected drafts)."""
+
+    def __init__(self, ticket: Ticket, session: str, n: int) -> None:
+        super().__init__(ticket, [session])
+        self.left, self.session_ = n, None
+
+    def start(self, rt: Any) -> bool:
+        (self.session_,) = rt.admit(self.sessions)
+        return False
+
+    def plan(self, rt: Any, budget: int) -> list[Step]:
+        return [Step(self.session_, [5, 6])]
+
+    def advance(self, rt: Any, results: list[StepResult]) -> bool:
+        rt.trim(self.sessions[0], self.session_.position - 1)
+        self.left -= 1
+        if self.left:
+            return False
+        return self.after_chain(rt, lambda: self.ticket.reply({"at": self.session_.position}))
+
+
+def test_a_running_job_sits_out_planning_until_its_trim_lands() -> None:
+    h, rt = chain_harness()
+    job = h.submit(TrimmingJob(h.ticket("generate"), "t", 2))
+    h.turn()
+    rt.deliver(0)
+    h.turn()  # lands: the job trims, which goes down the chain ...
+    h.turn(2)
+    assert rt.turns_with("t") == [0]  # ... and no forward of it goes before the answer
+    rt.answer("trim")
+    h.turn()
+    assert rt.turns_with("t") == [0, 1]
+    rt.deliver(0)
+    h.turn()
+    assert h.out(job) == []  # the last trim is still down the chain: no reply yet
+    rt.answer("trim")
+    h.turn()
+    assert h.result(job) == {"at": 2}
 
 
 # -- exclusive turns (media decoded with non-causal attention) -------------------------

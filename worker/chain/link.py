@@ -3,11 +3,13 @@
 One DEALER per stage, connected to the next stage's ROUTER. A forward is a
 ``forward_frame`` request carrying the hidden rows as a frame (``hidden``,
 token axis 0, positions) and the steps' metadata; its reply carries what the
-last stage sampled and any asked outputs. Forwards are asynchronous: the
-stage sends one and goes on with its next turn (the scheduler bounds how
-many are in flight), collecting replies as they come; ``trim``/``drop``
-and ``info`` wait for their answers, keeping any forward that lands
-meanwhile.
+last stage sampled and any asked outputs. Everything is asynchronous: the
+stage sends a forward and goes on with its next turn (the scheduler bounds
+how many are in flight), collecting replies as they come; ``trim``,
+``drop``, ``signal``, ``export_state`` and ``import_state`` go the
+same way, each reply read into an ``Answer`` when it lands (``poll``), so
+a stopped or slow stage below never holds this stage's loop. ``info``
+still waits for its answer.
 
 The socket, request ids, deadlines and the watch on the connection are a
 ``protocol.peer.DealerPeer``; this module keeps the stage's policy. A dead
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,15 +35,16 @@ from structlog import get_logger
 from faults import BadRequest, Fault, SessionNotActive, StageUnavailable
 from protocol import frames, sockets, transport
 from protocol.envelope import fault_of, request
-from protocol.peer import DealerPeer, NotSent
+from protocol.peer import DealerPeer, NotSent, OnReply
 
 from ..runtime import Origin, wire
-from ..runtime.tail import Landed, TailResult, TailStep
+from ..runtime.tail import Answer, Landed, TailResult, TailStep
 
 _log = get_logger("skiff.stage")
-_SESSION_OP_MS = 5_000  # trim / drop downstream: no forward, answered within a turn
+_SESSION_OP_MS = 5_000  # trim / drop / signal / info downstream: no forward, within a turn
 _STATE_MS = 60_000  # export / import of a session's KV downstream (megabytes)
-Answer = tuple[dict[str, Any], list[memoryview]]  # a plain call's reply: header, buffers
+# How a request's answer is read from its reply: result map, buffers -> Answer.
+Read = Callable[[dict[str, Any], list[memoryview]], Answer]
 
 
 class StageLink:
@@ -77,8 +81,7 @@ class StageLink:
             gone=lambda op: StageUnavailable(f"the next stage ({endpoint}) went away during {op}"),
             late=lambda op: StageUnavailable(f"the next stage ({endpoint}) did not answer {op}"),
         )
-        self._landed: dict[int, Landed] = {}  # forwards home, not yet polled
-        self._answers: dict[int, Answer] = {}  # plain calls home, not yet taken
+        self._landed: dict[int, Landed | Answer] = {}  # home, not yet polled
 
     @property
     def connected(self) -> bool:
@@ -110,9 +113,18 @@ class StageLink:
             "input": frames.attach(frame, buffers),
             "steps": [wire.step_out(s) for s in steps],
         }
-        return self._send("forward_frame", None, args, buffers, self.timeout_ms, len(steps), req_id)
+        return self._send(
+            "forward_frame",
+            None,
+            args,
+            buffers,
+            self.timeout_ms,
+            functools.partial(self._forwarded, req_id, len(steps)),
+            functools.partial(self._put, req_id),
+            req_id,
+        )
 
-    def poll(self, timeout_ms: int) -> dict[int, Landed]:
+    def poll(self, timeout_ms: int) -> dict[int, Landed | Answer]:
         if not self._landed:
             self.peer.pump(timeout_ms)
         landed, self._landed = self._landed, {}
@@ -122,38 +134,25 @@ class StageLink:
     def in_flight(self) -> int:
         return sum(1 for p in self.peer.pending.values() if p.op == "forward_frame")
 
-    def session_op(self, op: str, session: str, token_count: int = 0) -> None:
+    def session_op(self, op: str, session: str, token_count: int = 0) -> int:
         args = {"token_count": token_count} if op == "trim" else None
         try:
-            self._call(op, session, args, [], timeout_ms=_SESSION_OP_MS)
-        except SessionNotActive:
-            pass  # the session never reached the next stage (or was dropped there)
+            return self._ask(op, session, args, [], _SESSION_OP_MS, _nothing)
         except StageUnavailable as exc:
             if op != "drop":
                 raise
-            _log.warning("stage_drop_lost", session=session, error=exc.message)
+            ticket = self.peer.next_id()  # a drop is not refused: it lands at once
+            self._landed[ticket] = self._excuse(op, session, exc)
+            return ticket
 
-    def session_query(self, op: str, session: str, window_tokens: int = 0) -> dict[str, Any]:
+    def session_query(self, op: str, session: str, window_tokens: int = 0) -> int:
         args = {"window_tokens": window_tokens} if op == "signal_window" else None
-        header, _ = self._call(op, session, args, [], timeout_ms=_SESSION_OP_MS)
-        value = header.get("result")
-        return value if isinstance(value, dict) else {}
+        return self._ask(op, session, args, [], _SESSION_OP_MS, _result)
 
-    def export_state(self, session: str) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
-        header, buffers = self._call("export_state", session, None, [], _STATE_MS)
-        result = header.get("result") or {}
-        meta = result.get("session_state")
-        if not isinstance(meta, dict) or "frame" not in result:
-            raise StageUnavailable("the next stage sent a malformed export_state reply")
-        arrays = frames.parse(result["frame"], buffers).arrays()
-        below = list(meta.pop("downstream", None) or [])
-        kvs = [np.array(arrays["kv_state"])]
-        kvs += [np.array(arrays[f"kv_state.{i + 1}"]) for i in range(len(below))]
-        return [meta, *below], kvs
+    def export_state(self, session: str) -> int:
+        return self._ask("export_state", session, None, [], _STATE_MS, _states)
 
-    def import_state(
-        self, session: str, metas: list[dict[str, Any]], kvs: list[np.ndarray]
-    ) -> None:
+    def import_state(self, session: str, metas: list[dict[str, Any]], kvs: list[np.ndarray]) -> int:
         if not metas or len(metas) != len(kvs):
             raise BadRequest("one session state per stage below is needed")
         meta = {**metas[0], "downstream": metas[1:]} if len(metas) > 1 else dict(metas[0])
@@ -161,30 +160,43 @@ class StageLink:
         frame = frames.make_frame([(n, kv, -1) for n, kv in zip(names, kvs, strict=True)])
         buffers: list[Any] = []
         args = {"session_state": meta, "frame": frames.attach(frame, buffers)}
-        self._call("import_state", session, args, buffers, _STATE_MS)
+        return self._ask("import_state", session, args, buffers, _STATE_MS, _nothing)
 
     def info(self) -> dict[str, Any]:
-        header, _ = self._call("info", None, None, [], timeout_ms=5_000)
-        value = header.get("result")
-        return value if isinstance(value, dict) else {}
+        """The next stage's ``info``; the one request that still waits."""
+        ticket = self._ask("info", None, None, [], _SESSION_OP_MS, _result)
+        while ticket not in self._landed:
+            self.peer.pump(_SESSION_OP_MS)
+        outcome = self._landed.pop(ticket)
+        if isinstance(outcome, Fault):
+            raise outcome
+        assert isinstance(outcome, Answer)
+        return outcome.result
 
     # -- requests and replies ----------------------------------------------------------
 
-    def _call(
+    def _ask(
         self,
         op: str,
         session: str | None,
         args: dict[str, Any] | None,
         buffers: list[Any],
         timeout_ms: int,
-    ) -> Answer:
-        req_id = self._send(op, session, args, buffers, timeout_ms, None)
-        while req_id not in self._answers:
-            self.peer.pump(timeout_ms)
-        answer = self._answers.pop(req_id)
-        if isinstance(answer, Fault):
-            raise answer
-        return answer
+        read: Read,
+    ) -> int:
+        """Send a request other than a forward; its ``Answer`` (``read`` from
+        the reply's result) or ``Fault`` lands for ``poll``."""
+        req_id = self.peer.next_id()
+        return self._send(
+            op,
+            session,
+            args,
+            buffers,
+            timeout_ms,
+            functools.partial(self._answered, req_id, op, session, read),
+            lambda fault: self._put(req_id, self._excuse(op, session, fault)),
+            req_id,
+        )
 
     def _send(
         self,
@@ -193,23 +205,23 @@ class StageLink:
         args: dict[str, Any] | None,
         buffers: list[Any],
         timeout_ms: int,
-        steps: int | None,
-        req_id: int | None = None,
+        on_reply: OnReply,
+        on_fail: Callable[[Fault], None],
+        req_id: int,
     ) -> int:
         self.peer.watch()
         if not self.peer.connected:
             # not yet connected, or the connection dropped: fail at once
             # rather than queue work a dead stage would never answer
             raise StageUnavailable(f"the next stage ({self.endpoint}) is not connected")
-        req_id = self.peer.next_id() if req_id is None else req_id
         try:
             self.peer.request(
                 op,
                 session,
                 args,
                 buffers,
-                on_reply=functools.partial(self._home, req_id, steps),
-                on_fail=functools.partial(self._land, req_id, steps),
+                on_reply=on_reply,
+                on_fail=on_fail,
                 timeout_s=timeout_ms / 1000,
                 req_id=req_id,
             )
@@ -220,33 +232,61 @@ class StageLink:
             raise StageUnavailable(f"the next stage ({self.endpoint}) {why}") from None
         return req_id
 
-    def _home(
-        self, req_id: int, steps: int | None, reply: dict[str, Any], msg: list[zmq.Frame]
+    def _put(self, req_id: int, outcome: Landed | Answer) -> None:
+        self._landed[req_id] = outcome
+
+    def _excuse(self, op: str, session: str | None, fault: Fault) -> Fault | Answer:
+        """How a failed trim / drop downstream counts: a session the next stage
+        does not hold never reached it (or was dropped there), and a drop the
+        chain cannot take is logged, not refused (this stage has let the
+        session go); anything else fails the request."""
+        if op in ("trim", "drop") and isinstance(fault, SessionNotActive):
+            return Answer()
+        if op == "drop" and isinstance(fault, StageUnavailable):
+            _log.warning("stage_drop_lost", session=session, error=fault.message)
+            return Answer()
+        return fault
+
+    def _answered(
+        self,
+        req_id: int,
+        op: str,
+        session: str | None,
+        read: Read,
+        reply: dict[str, Any],
+        msg: list[zmq.Frame],
     ) -> bool:
-        """A reply: its outcome lands, unless it acknowledges a forward whose
-        result comes on the direct socket (True: keep waiting)."""
-        outcome = self._outcome(reply, [f.buffer for f in msg], steps)
-        if outcome is _ACK:
-            return True
-        self._land(req_id, steps, outcome)
+        outcome: Fault | Answer
+        if not reply.get("ok"):
+            outcome = self._excuse(op, session, fault_of(reply, "next stage: "))
+        else:
+            result = reply.get("result")
+            try:
+                outcome = read(result if isinstance(result, dict) else {}, [f.buffer for f in msg])
+            except (Fault, ValueError, KeyError, TypeError) as exc:
+                outcome = StageUnavailable(f"the next stage sent a malformed {op} reply: {exc}")
+        self._put(req_id, outcome)
         return False
 
-    def _land(self, req_id: int, steps: int | None, outcome: Any) -> None:
-        if steps is None:
-            self._answers[req_id] = outcome
-        else:
-            self._landed[req_id] = outcome
+    def _forwarded(
+        self, req_id: int, steps: int, reply: dict[str, Any], msg: list[zmq.Frame]
+    ) -> bool:
+        """A forward's reply: its outcome lands, unless it acknowledges a
+        forward whose result comes on the direct socket (True: keep waiting)."""
+        outcome = self._outcome(reply, [f.buffer for f in msg], steps)
+        if outcome is None:
+            return True
+        self._put(req_id, outcome)
+        return False
 
     def _outcome(
-        self, reply: dict[str, Any], buffers: list[memoryview], steps: int | None
-    ) -> Fault | Answer | list[TailResult] | object:
+        self, reply: dict[str, Any], buffers: list[memoryview], steps: int
+    ) -> Landed | None:
         if not reply.get("ok"):
             return fault_of(reply, "next stage: ")
-        if steps is None:
-            return reply, buffers
         items = (reply.get("result") or {}).get("results")
         if self._direct is not None and wire.is_direct(items):
-            return _ACK  # the stages below took it; the last stage answers us directly
+            return None  # the stages below took it; the last stage answers us directly
         try:
             return _results(reply, buffers, steps)
         except (Fault, ValueError, KeyError, TypeError) as exc:
@@ -287,7 +327,24 @@ class StageLink:
         _log.info("stage_direct_return", last_stage=endpoint)
 
 
-_ACK = object()  # a forward's acknowledgement: its result comes on the direct socket
+def _nothing(result: dict[str, Any], buffers: list[memoryview]) -> Answer:
+    return Answer()
+
+
+def _result(result: dict[str, Any], buffers: list[memoryview]) -> Answer:
+    return Answer(result)
+
+
+def _states(result: dict[str, Any], buffers: list[memoryview]) -> Answer:
+    """``export_state``'s reply: the next stage's state first, then those below it."""
+    meta = result.get("session_state")
+    if not isinstance(meta, dict) or "frame" not in result:
+        raise ValueError("no session_state and frame")
+    arrays = frames.parse(result["frame"], buffers).arrays()
+    below = list(meta.pop("downstream", None) or [])
+    kvs = [np.array(arrays["kv_state"])]
+    kvs += [np.array(arrays[f"kv_state.{i + 1}"]) for i in range(len(below))]
+    return Answer(states=[meta, *below], kvs=kvs)
 
 
 def _results(reply: dict[str, Any], buffers: list[memoryview], steps: int) -> list[TailResult]:

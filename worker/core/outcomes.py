@@ -5,9 +5,11 @@ measured forward feeds the stats and the ``TurnClock`` (what a turn costs,
 which the planner's cadence budget reads), its results go to the jobs that
 own its steps, a failed forward is isolated (jobs whose KV moved fail, the
 others run again alone), and a pipeline stage's forwards go down the chain
-(``launch``) and come home (``land``) while other work runs. The scheduler
-owns the jobs (intake, reaping, admission, planning) and lends ``finish``;
-this object owns the clock and the flights.
+(``launch``) and come home (``land``) while other work runs, as do the
+answers to its other requests down the chain (session ops, state moves),
+each handed to the job waiting for it. The scheduler owns the jobs
+(intake, reaping, admission, planning) and lends ``finish`` and its list
+of running jobs; this object owns the clock and the flights.
 
 The scheduler's counters for ``stats`` (``SchedulerStats``: admissions,
 throughput, batch shapes) live here too, since forwards are most of what
@@ -29,7 +31,7 @@ from structlog import get_logger
 
 from faults import EngineFault, Fault
 
-from ..runtime import Flight, RuntimeState, Step, StepResult
+from ..runtime import Call, Flight, RuntimeState, Step, StepResult
 from .jobs.base import MIN_CUT, PHASE_DECODE, Job
 
 _log = get_logger("skiff.scheduler")
@@ -181,10 +183,13 @@ Finish = Callable[[Job, BaseException | None], None]
 class Outcomes:
     """Forwards after planning: measured, completed, isolated, or in flight."""
 
-    def __init__(self, rt: RuntimeState, stats: SchedulerStats, finish: Finish) -> None:
+    def __init__(
+        self, rt: RuntimeState, stats: SchedulerStats, finish: Finish, active: list[Job]
+    ) -> None:
         self.rt = rt
         self.stats = stats
         self.finish = finish  # the scheduler's: fail or end a job, free its sessions
+        self.active = active  # the scheduler's running jobs (answers from the chain go to one)
         self.clock = TurnClock()
         self.flying: list[_Flying] = []  # a pipeline stage's forwards down the chain
         self.flying_jobs: set[Job] = set()
@@ -271,6 +276,16 @@ class Outcomes:
 
     # -- a pipeline stage: forwards in flight down the chain ----------------------
 
+    @property
+    def expecting(self) -> bool:
+        """Forwards or other requests are out down the chain (``land`` polls)."""
+        return bool(self.flying) or bool(self.rt.asked)
+
+    def aside(self, job: Job) -> bool:
+        """The job waits for the chain, neither planned nor reaped: its forward
+        is in flight, or a request about its sessions is unanswered."""
+        return job in self.flying_jobs or (bool(self.rt.asked) and job.waiting(self.rt))
+
     def rejoin(self, active: list[Job]) -> bool:
         """True when only decode rows are ready while a forward is in flight:
         they wait to go with the streams in flight instead of forming a second,
@@ -278,7 +293,7 @@ class Outcomes:
         What overlaps a forward in flight is new work: prompts, batches."""
         if not self.flying:
             return False
-        ready = [j for j in active if j not in self.flying_jobs]
+        ready = [j for j in active if not self.aside(j)]
         return bool(ready) and all(j.phase == PHASE_DECODE for j in ready)
 
     def launch(self, steps: list[Step], owners: list[tuple[Job, int]]) -> None:
@@ -298,6 +313,9 @@ class Outcomes:
 
     def land(self, timeout_ms: int) -> None:
         for flight in self.rt.land(timeout_ms):
+            if isinstance(flight, Call):
+                self.answered(flight)
+                continue
             flying = next(f for f in self.flying if f.flight is flight)
             self.flying.remove(flying)
             self.flying_jobs.difference_update(job for job, _ in flying.owners)
@@ -308,3 +326,25 @@ class Outcomes:
                     self.finish(job, flight.fault)
                 continue
             self.complete(flying.owners, flight.results)
+
+    def answered(self, call: Call) -> None:
+        """A request down the chain came home: to the running job it is for
+        (``Job.awaits``), which replies, goes on, or fails with its fault. One
+        nobody waits for any more (a drop as a job ended, an idle session's)
+        only logs a failure."""
+        job = next((j for j in self.active if j.awaits(call)), None)
+        if job is None or job in self.flying_jobs:
+            if call.fault is not None:
+                _log.warning("chain_answer_unclaimed", op=call.op, error=str(call.fault))
+            return
+        try:
+            finished = job.landed(self.rt, call)
+        except Fault as exc:
+            self.finish(job, exc)
+            return
+        except Exception as exc:  # a bug in one job must not kill the others
+            _log.exception("job_crashed", op=job.ticket.op)
+            self.finish(job, exc)
+            return
+        if finished:
+            self.finish(job, None)

@@ -29,8 +29,12 @@ The scheduler knows nothing about sockets: jobs answer through their
 ``Ticket`` into the outbox, which the edge empties after the turn.
 
 What happens after a forward (the turn clock, completing and failing jobs,
-isolating a failed forward, a pipeline stage's flights) is ``self.outcomes``,
-an ``Outcomes`` (``outcomes.py``) that borrows the scheduler's ``_finish``.
+isolating a failed forward, a pipeline stage's flights and the answers to
+its other requests down the chain) is ``self.outcomes``, an ``Outcomes``
+(``outcomes.py``) that borrows the scheduler's ``_finish``. A job waiting
+for the chain (``Outcomes.aside``: its forward in flight, or a trim, drop,
+export, ... about its sessions unanswered) is neither planned nor reaped,
+and holds its sessions, so their later ops stay behind it.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._turn = 0
         self._boost: Job | None = None  # atomic job that missed the last turn
-        self.outcomes = Outcomes(rt, self.stats, self._finish)
+        self.outcomes = Outcomes(rt, self.stats, self._finish, self.active)
         self.peers = PeerLimits(cfg.max_sessions_per_peer, cfg.max_streams_per_peer)
         self._exclusive_last = False  # the last turn was one job's alone
         # A session a running job holds is never parked to make room.
@@ -169,7 +173,7 @@ class Scheduler:
     def turn(self) -> None:
         """Advance the world by at most one forward (or one launch down the chain)."""
         self._turn += 1
-        if self.outcomes.flying:
+        if self.outcomes.expecting:
             self.outcomes.land(0)
         now = time.monotonic()
         self._reap(now)
@@ -183,7 +187,7 @@ class Scheduler:
             return
         steps, owners = self._plan(self._group_size(groups))
         if not steps:
-            if self.outcomes.flying:
+            if self.outcomes.expecting:
                 self.outcomes.land(_LAND_WAIT_MS)
             return
         if self.rt.chained:
@@ -201,8 +205,8 @@ class Scheduler:
                 job.fail(self.rt, reason)
                 job.release(self.rt)
         for job in list(self.active):
-            if job in self.outcomes.flying_jobs:
-                continue  # reaped once its forward lands
+            if self.outcomes.aside(job):
+                continue  # reaped once its forward (or the chain's answer) lands
             if job.suspend and not job.cancelled and job.suspendable():
                 held = list(job.sessions)  # a sessionless stream's session is renamed
                 job.on_suspend(self.rt)
@@ -300,7 +304,7 @@ class Scheduler:
         # its compute graph when consecutive batches have the same layout, and
         # a reshuffled batch measured ~35% slower per token. Prefill chunks
         # rotate instead, so no prompt is always last in line for the budget.
-        ready = [j for j in self.active if j not in self.outcomes.flying_jobs]
+        ready = [j for j in self.active if not self.outcomes.aside(j)]
         exclusive = self._exclusive_turn(ready)
         if exclusive is not None:
             return exclusive

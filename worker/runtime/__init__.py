@@ -4,13 +4,14 @@ Failures are raised as the typed errors of ``faults`` (each carries its code;
 the runtime itself knows nothing of the wire).
 """
 
-from .chain import Flight
+from .chain import Call, Flight
 from .draft import DraftRuntime
 from .lanes import Ephemeral, LanePool, Session, SessionId
 from .state import RuntimeState
 from .steps import Origin, Step, StepResult
 
 __all__ = [
+    "Call",
     "DraftRuntime",
     "Ephemeral",
     "Flight",

@@ -1,4 +1,5 @@
-"""One forward of a pipeline stage that does not hold the model's last layer.
+"""A pipeline stage that does not hold the model's last layer: its forwards
+and its other requests down the chain.
 
 The stage runs its own layers over the steps' tokens (or input rows), its
 engine's layer tap capturing the output of its last layer for every row and
@@ -6,24 +7,32 @@ stopping the graph there; the rows go to the ``Tail`` (the next stage),
 which runs the rest, samples with the sessions' samplers (they live where
 the logits are) and returns tokens and any asked outputs. Positions and
 token histories are then accounted here exactly as for a local forward.
+
+Session ops, queries and state moves go down the chain the same
+way (``ask``): sent at once, kept as a ``Call`` until their answer lands
+with the forwards (``land``), so no turn waits on the network. Their order
+needs no waiting: one connection delivers them in order and every stage
+runs a session's requests in arrival order; the scheduler keeps a job whose
+sessions have a ``Call`` out of its forwards until the answer lands, so a
+failure downstream still fails the job that caused it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from faults import BadRequest, EngineFault, Fault
+from faults import BadRequest, EngineFault, Fault, StageUnavailable
 
 from ..engine import Engine, Segment
 from ..spec import spec_to_wire
-from .lanes import Session
+from .lanes import Session, SessionId
 from .steps import Step, StepResult, group_steps
-from .tail import Landed, Tail, TailResult, TailStep
+from .tail import Answer, Landed, Tail, TailResult, TailStep
 
 
 class ChainHost(Protocol):
@@ -36,6 +45,7 @@ class ChainHost(Protocol):
     forwards: int
     tokens_evaluated: int
     flights: dict[int, Flight]  # tail ticket -> its forward in flight
+    asked: dict[int, Call]  # tail ticket -> another request down the chain
 
     def reconcile_after_failure(self, steps: Sequence[Step], why: str) -> None: ...
 
@@ -151,6 +161,37 @@ class Flight:
         self.results = results
 
 
+@dataclass(eq=False)
+class Call:
+    """A request down the chain that is not a forward (``trim``, ``drop``,
+    ``signal``, ``export_state``, ``import_state``), from the send until its
+    ``answer`` or ``fault`` lands."""
+
+    op: str
+    session: SessionId | None  # the session it is about
+    answer: Answer | None = None
+    fault: Fault | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.answer is not None or self.fault is not None
+
+    @property
+    def result(self) -> dict[str, Any]:
+        return self.answer.result if self.answer is not None else {}
+
+
+def ask(rt: ChainHost, op: str, session: SessionId | None, send: Callable[[Tail], int]) -> Call:
+    """Send a request down the chain (``send`` does, on the tail) without
+    waiting; the ``Call`` lands through ``land``. ``send`` raising (the next
+    stage not connected) leaves nothing outstanding."""
+    assert rt.tail is not None
+    ticket = send(rt.tail)
+    call = Call(op, session)
+    rt.asked[ticket] = call
+    return call
+
+
 def launch(rt: ChainHost, steps: Sequence[Step]) -> Flight:
     """Run this stage's layers over ``steps`` and send them down the chain
     without waiting; ``land`` returns the flight when it comes home."""
@@ -170,16 +211,29 @@ def launch(rt: ChainHost, steps: Sequence[Step]) -> Flight:
     return flight
 
 
-def land(rt: ChainHost, timeout_ms: int) -> list[Flight]:
-    """Flights that came home (``results`` or ``fault`` set), waiting up to
-    ``timeout_ms`` for the first when none has."""
-    if rt.tail is None or not rt.flights:
+def land(rt: ChainHost, timeout_ms: int) -> list[Flight | Call]:
+    """Flights (``results`` or ``fault`` set) and calls (``answer`` or
+    ``fault``) that came home, waiting up to ``timeout_ms`` for the first
+    when none has."""
+    if rt.tail is None or not (rt.flights or rt.asked):
         return []
-    done: list[Flight] = []
+    done: list[Flight | Call] = []
     for ticket, outcome in rt.tail.poll(timeout_ms).items():
+        call = rt.asked.pop(ticket, None)
+        if call is not None:
+            if isinstance(outcome, Fault):
+                call.fault = outcome
+            elif isinstance(outcome, Answer):
+                call.answer = outcome
+            else:
+                call.fault = StageUnavailable(f"the next stage answered {call.op} as a forward")
+            done.append(call)
+            continue
         flight = rt.flights.pop(ticket, None)
         if flight is None:
             continue  # a part of a flight whose launch failed
+        if isinstance(outcome, Answer):
+            outcome = StageUnavailable("the next stage answered a forward as another request")
         flight.outcomes[ticket] = outcome
         if flight.complete:
             flight.finish(rt)

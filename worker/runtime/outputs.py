@@ -17,7 +17,7 @@ import numpy as np
 
 from faults import BadRequest
 
-from ..engine import Engine, Sampler, SamplerError
+from ..engine import Engine, OutputMode, Sampler, SamplerError
 from ..spec import SamplerSpec
 from .lanes import Session
 from .rows import accept
@@ -120,3 +120,12 @@ class RowReader:
         else:
             result.row_tokens = [sample(k) for k in range(len(rows))]
         result.row_logprobs = infos
+
+
+def output_rows(step: Step) -> OutputMode:
+    """The rows llama.cpp outputs for a step. Outputs asked without sampling
+    (a stage's ``forward_frame``) still need the last row: ``RowReader`` reads
+    it, and without it every turn crashed and re-ran the step to the lane's end."""
+    if step.all_rows or step.capture_all:
+        return "all"
+    return "last" if step.sample or step.outputs else "none"

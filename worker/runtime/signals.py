@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from faults import BadRequest
+
 HIGH_ENTROPY_NATS = 3.0
 
 
@@ -109,3 +111,14 @@ def window_summary(
         "high_entropy_count": sum(1 for e in entropies if e > high_entropy),
         "repetition_count": repeats,
     }
+
+
+def session_signals(
+    history: Sequence[TokenSignal], op: str, window_tokens: int, name: str
+) -> dict[str, Any]:
+    """``signal`` (the last sampled token's of session ``name``) or ``signal_window``."""
+    if op == "signal_window":
+        return window_summary(history, window_tokens)
+    if not history:
+        raise BadRequest(f"session {name!r} has no sampled token yet")
+    return history[-1].as_dict()

@@ -33,14 +33,14 @@ from typing import Any
 
 from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch, SessionNotActive
 
-from ..engine import Engine, OutputMode, Segment
+from ..engine import Engine, Segment
 from . import chain
-from .chain import Flight
+from .chain import Call, Flight
 from .lanes import LanePool, Session, SessionId
-from .outputs import RowReader
+from .outputs import RowReader, output_rows
 from .park import Park, make_room, parkable, restore
 from .prefix import MIN_PREFIX_REUSE, PrefixStats, window_holds
-from .signals import window_summary
+from .signals import session_signals
 from .steps import Step, StepResult, group_steps
 from .tail import Tail
 
@@ -69,6 +69,7 @@ class RuntimeState:
         self.tail = tail
         self.tap_layer = tap_layer
         self.flights: dict[int, Flight] = {}  # tail ticket -> its forward in flight
+        self.asked: dict[int, Call] = {}  # tail ticket -> a session op, query, ... in flight
         if tail is not None:
             prefix_cache = 0  # a reused lane would need the same prefix downstream
             park = None  # a stage's cells are one part of a session spread down the chain
@@ -233,7 +234,8 @@ class RuntimeState:
         self.lanes.release(session_id, keep)
         self._clear_evicted()
         if self.tail is not None and session.position > 0:
-            self.tail.session_op("drop", str(session_id))
+            name = str(session_id)
+            self.ask("drop", session_id, lambda tail: tail.session_op("drop", name))
 
     def _consistent(self, session: Session) -> bool:
         return len(session.tokens) == session.position == self.engine.pos_max(session.lane) + 1
@@ -260,7 +262,8 @@ class RuntimeState:
         del session.tokens[token_count:]
         self.check_position(session)
         if self.tail is not None:
-            self.tail.session_op("trim", str(session_id), token_count)
+            name = str(session_id)
+            self.ask("trim", session_id, lambda tail: tail.session_op("trim", name, token_count))
         return session.position
 
     def align(self, session_id: SessionId, token_count: int) -> tuple[int | None, int | None]:
@@ -310,17 +313,10 @@ class RuntimeState:
         return results
 
     def signals(self, session_id: SessionId, op: str, window_tokens: int = 0) -> dict[str, Any]:
-        """``signal`` (the last sampled token's) or ``signal_window``; a stage
-        without the last layer asks the next stage, where sampling happens."""
-        session = self.require(session_id)
-        if self.tail is not None:
-            return self.tail.session_query(op, str(session_id), window_tokens)
-        if op == "signal_window":
-            return window_summary(session.signals, window_tokens)
-        if not session.signals:
-            raise BadRequest(f"session {str(session_id)!r} has no sampled token yet")
-        last: dict[str, Any] = session.signals[-1].as_dict()
-        return last
+        """``signal`` (the last sampled token's) or ``signal_window``, where
+        sampling happens (a stage with a next stage ``ask``s down the chain)."""
+        history = self.require(session_id).signals
+        return session_signals(history, op, window_tokens, str(session_id))
 
     # -- forwards through a pipeline chain, asynchronously (runtime/chain.py) --
 
@@ -332,8 +328,17 @@ class RuntimeState:
     def launch(self, steps: Sequence[Step]) -> Flight:
         return chain.launch(self, steps)
 
-    def land(self, timeout_ms: int) -> list[Flight]:
+    def land(self, timeout_ms: int) -> list[Flight | Call]:
         return chain.land(self, timeout_ms)
+
+    def ask(self, op: str, session: SessionId | None, send: Callable[[Tail], int]) -> Call:
+        """A request down the chain, sent without waiting (``chain.ask``)."""
+        return chain.ask(self, op, session, send)
+
+    def owes(self, session_ids: Sequence[SessionId]) -> bool:
+        """True while a request down the chain about one of these sessions is
+        unanswered (the jobs holding them wait for it)."""
+        return bool(self.asked) and any(c.session in session_ids for c in self.asked.values())
 
     def _forward_group(
         self, steps: Sequence[Step], hidden: bool, non_causal: bool = False
@@ -343,7 +348,7 @@ class RuntimeState:
                 s.session.lane,
                 s.tokens,
                 s.session.position,
-                _output_rows(s),
+                output_rows(s),
                 s.embd,
             )
             for s in steps
@@ -397,12 +402,3 @@ class RuntimeState:
             advanced[str(session.id)] = engine_pos
             self.tokens_evaluated += engine_pos - lo
         raise EngineFault(f"llama_decode failed: {why}", advanced)
-
-
-def _output_rows(step: Step) -> OutputMode:
-    """The rows llama.cpp outputs for a step. Outputs asked without sampling
-    (a stage's ``forward_frame``) still need the last row: ``RowReader`` reads
-    it, and without it every turn crashed and re-ran the step to the lane's end."""
-    if step.all_rows or step.capture_all:
-        return "all"
-    return "last" if step.sample or step.outputs else "none"

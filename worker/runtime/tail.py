@@ -5,10 +5,12 @@ layers, then hands the hidden rows to a ``Tail`` (the next stage, reached
 over the wire by ``worker.chain.link``) and gets back what the last stage
 sampled. The runtime only sees this protocol; it knows nothing of sockets.
 
-Forwards are asynchronous: ``send`` returns a ticket at once and ``poll``
-hands back whatever has come home, so a stage can run its next forward
-while the next stage computes the last one (pipelining, bounded by the
-scheduler's in-flight credit). ``wait`` is the blocking form.
+Everything is asynchronous: ``send`` (a forward) and the session ops,
+queries and state moves each return a ticket at once, and
+``poll`` hands back whatever has come home, so a stage runs its next
+forward while the next stage computes the last one (pipelining, bounded by
+the scheduler's in-flight credit) and never waits inside a turn for an
+answer from down the chain (``ping`` and other sessions' work go on).
 """
 
 from __future__ import annotations
@@ -56,8 +58,18 @@ class TailResult:
 Landed = list[TailResult] | Fault
 
 
+@dataclass
+class Answer:
+    """What a request down the chain other than a forward came home with."""
+
+    result: dict[str, Any] = field(default_factory=dict)  # a query's or ``info``'s result
+    states: list[dict[str, Any]] = field(default_factory=list)  # export_state: each stage below
+    kvs: list[np.ndarray] = field(default_factory=list)  # ... and its KV bytes, in order
+
+
 class Tail(Protocol):
-    """What the runtime asks of the next stage."""
+    """What the runtime asks of the next stage. Every request returns a
+    ticket at once; its outcome comes home through ``poll``."""
 
     def send(self, steps: list[TailStep], hidden: np.ndarray) -> int:
         """Start the rest of the model over ``hidden`` (rows of ``steps`` in
@@ -65,26 +77,27 @@ class Tail(Protocol):
         stage is not connected (nothing was sent)."""
         ...
 
-    def poll(self, timeout_ms: int) -> dict[int, Landed]:
-        """Forwards that came home, by ticket; waits up to ``timeout_ms`` for
-        the first one when none has. A dropped link lands every outstanding
-        forward as ``StageUnavailable``."""
+    def poll(self, timeout_ms: int) -> dict[int, Landed | Answer]:
+        """What came home, by ticket (a forward's results, another request's
+        ``Answer``, or a ``Fault``); waits up to ``timeout_ms`` for the first
+        one when none has. A dropped link lands every outstanding request as
+        ``StageUnavailable``."""
         ...
 
-    def session_op(self, op: str, session: str, token_count: int = 0) -> None:
+    def session_op(self, op: str, session: str, token_count: int = 0) -> int:
         """Repeat a trim / drop downstream so every stage's cells agree."""
         ...
 
-    def export_state(self, session: str) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
-        """The session's state on every stage below: metadata and KV bytes, in order."""
+    def session_query(self, op: str, session: str, window_tokens: int = 0) -> int:
+        """Ask ``signal`` / ``signal_window`` of the stage that samples
+        (``Answer.result``)."""
         ...
 
-    def import_state(
-        self, session: str, metas: list[dict[str, Any]], kvs: list[np.ndarray]
-    ) -> None:
+    def export_state(self, session: str) -> int:
+        """The session's state on every stage below: ``Answer.states`` and
+        ``Answer.kvs``, in order."""
+        ...
+
+    def import_state(self, session: str, metas: list[dict[str, Any]], kvs: list[np.ndarray]) -> int:
         """Make the session on every stage below from ``export_state``'s parts."""
-        ...
-
-    def session_query(self, op: str, session: str, window_tokens: int = 0) -> dict[str, Any]:
-        """Ask ``signal`` / ``signal_window`` of the stage that samples."""
         ...

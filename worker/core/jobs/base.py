@@ -4,7 +4,10 @@ A job names the sessions it needs, is started when those sessions are free
 (per-session FIFO order), contributes ``Step``s to the turn's single forward
 through ``plan``, and consumes the results in ``advance``. Ops that touch no
 model (trim, align, drop) are instant jobs: they finish in ``start``, still
-in order with the session's other work.
+in order with the session's other work. On a pipeline stage such an op
+also goes down the chain (``RuntimeState.ask``) without waiting: the job
+sits out (``waiting``) until the answer lands (``landed``), and only then
+replies (``after_chain``), so the loop serves everything else meanwhile.
 
 Phases order a turn's batch: decode tokens first (running streams never
 wait behind a prompt), then atomic batches, then prefill chunks.
@@ -25,7 +28,7 @@ decode, verify, trim / align / drop / signal), ``generate``, ``batch``,
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +37,7 @@ import numpy as np
 from faults import Cancelled
 
 if TYPE_CHECKING:  # annotations only: the Job protocol and its outputs load no engine
-    from ...runtime import RuntimeState, SessionId, Step, StepResult
+    from ...runtime import Call, RuntimeState, SessionId, Step, StepResult
 
 
 # Tokens a settled verify feeds (no logits) per turn.
@@ -177,6 +180,7 @@ class Job:
         self.sessions = tuple(sessions)
         self.cancelled = False
         self.suspend = False  # asked to stop at a token boundary and hand its state over
+        self._then: Callable[[], None] | None = None  # the reply, once the chain has answered
 
     def start(self, rt: RuntimeState) -> bool:
         """Admit sessions and check preconditions. True = already finished."""
@@ -214,6 +218,41 @@ class Job:
     def on_suspend(self, rt: RuntimeState) -> None:
         """End at a token boundary with the state a continuation needs."""
         raise NotImplementedError
+
+    # -- a pipeline stage: requests down the chain ------------------------------------
+
+    def waiting(self, rt: RuntimeState) -> bool:
+        """True while a request down the chain about this job's sessions is
+        unanswered: the job is neither planned nor reaped until it lands."""
+        return rt.owes(self.sessions)
+
+    def awaits(self, call: Call) -> bool:
+        """Whether ``call``'s answer is this job's to take (a session's jobs
+        run one at a time, so it is the job holding the session)."""
+        return call.session is not None and call.session in self.sessions
+
+    def landed(self, rt: RuntimeState, call: Call) -> bool:
+        """An answer from down the chain about this job's sessions (sent by
+        it, or before it). A failed one fails the job, as when a stage
+        waited for it; the last one due runs the reply ``after_chain`` kept.
+        True = finished."""
+        if call.fault is not None:
+            raise call.fault
+        if self._then is None or self.waiting(rt):
+            return False
+        then, self._then = self._then, None
+        then()
+        return True
+
+    def after_chain(self, rt: RuntimeState, then: Callable[[], None]) -> bool:
+        """Run ``then`` (the job's reply) now, or once every request down the
+        chain about its sessions is answered (``landed``); True when it ran
+        (the job is finished)."""
+        if not self.waiting(rt):
+            then()
+            return True
+        self._then = then
+        return False
 
     def release(self, rt: RuntimeState) -> None:
         """Called once when the job leaves the scheduler, however it ended."""

@@ -26,6 +26,7 @@ moved.
 from __future__ import annotations
 
 import codecs
+import functools
 import time
 from typing import Any
 
@@ -245,9 +246,8 @@ class GenerateJob(Job):
             reason = self._take(rt, token, first_position + j)
             if reason is not None:
                 if self.session.position > first_position + j:
-                    rt.trim(self.session.id, first_position + j)
-                self._finish(rt, reason)
-                return True
+                    rt.trim(self.session.id, first_position + j)  # a stage: answered later
+                return self.after_chain(rt, functools.partial(self._finish, rt, reason))
         return False
 
     # -- one sampled token -----------------------------------------------------------

@@ -4,11 +4,14 @@
 under the turn's budget and may sample the last row; ``DecodeJob`` feeds
 one token and samples; ``VerifyJob`` scores a draft in one forward and
 keeps the accepted prefix; ``SessionOpJob`` is trim / align / drop /
-signal: instant, but in order with the session's other work.
+signal: instant, but in order with the session's other work (on a pipeline
+stage it replies once the rest of the chain has answered, without holding
+the loop).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -154,7 +157,10 @@ class DecodeJob(Job):
 
 class SessionOpJob(Job):
     """trim / align / drop / signal / signal_window: no forward, but ordered
-    with the session's other work."""
+    with the session's other work. On a pipeline stage trim and drop run
+    here and go down the chain, and signals are asked of the last stage:
+    the reply waits for the chain's answer (and carries its error), the
+    loop does not."""
 
     def __init__(self, ticket: Ticket, session: SessionId, op: str, token_count: int = 0) -> None:
         super().__init__(ticket, [session])
@@ -162,18 +168,24 @@ class SessionOpJob(Job):
         self.token_count = token_count
 
     def start(self, rt: RuntimeState) -> bool:
-        sid = self.sessions[0]
+        sid, reply = self.sessions[0], self.ticket.reply
+        data: dict[str, Any]
         if self.op == "trim":
-            self.ticket.reply({"position": rt.trim(sid, self.token_count)})
+            data = {"position": rt.trim(sid, self.token_count)}
         elif self.op == "align":
             before, after = rt.align(sid, self.token_count)
-            self.ticket.reply({"before": before, "after": after})
+            data = {"before": before, "after": after}
+        elif self.op in ("signal", "signal_window") and rt.tail is not None:
+            rt.require(sid)
+            op, name, n = self.op, str(sid), self.token_count
+            call = rt.ask(op, sid, lambda tail: tail.session_query(op, name, n))
+            return self.after_chain(rt, lambda: reply(call.result))
         elif self.op in ("signal", "signal_window"):
-            self.ticket.reply(rt.signals(sid, self.op, self.token_count))
+            data = rt.signals(sid, self.op, self.token_count)
         else:
             rt.drop(sid)
-            self.ticket.reply({})
-        return True
+            data = {}
+        return self.after_chain(rt, functools.partial(reply, data))
 
 
 class VerifyJob(Job):
@@ -253,11 +265,9 @@ class VerifyJob(Job):
             accepted += 1
         keep = self.start_position + 1 + accepted
         if self.trim and keep < session.position:
-            rt.trim(session.id, keep)
-        self.ticket.reply(
-            {"predicted": self.predicted, "accepted": accepted, "position": session.position}
-        )
-        return True
+            rt.trim(session.id, keep)  # on a stage: the reply waits for the chain's trim
+        result = {"predicted": self.predicted, "accepted": accepted, "position": session.position}
+        return self.after_chain(rt, functools.partial(self.ticket.reply, result))
 
     def _score(self, first: int, tokens: list[int] | None) -> None:
         """Predictions after tokens ``first ..`` of the span, sampled from this

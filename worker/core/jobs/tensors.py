@@ -3,7 +3,8 @@
 ``embed`` is a prefill of a throwaway (ephemeral) session with hidden-state
 output on every row, pooled here. The state jobs are session ops: ordered
 with the session's other work, and instant (no forward): they move a
-session's KV cells out of or into llama.cpp (``runtime.portable``).
+session's KV cells out of or into llama.cpp (``runtime.portable``); on a
+pipeline stage they reply once the stages below have answered.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import numpy as np
 
 from faults import BadRequest, LanesBusy
 
-from ...runtime import Origin, RuntimeState, Session, SessionId, Step, StepResult, wire
+from ...runtime import Call, Origin, RuntimeState, Session, SessionId, Step, StepResult, wire
 from ...runtime.portable import export_session, import_session
 from ...runtime.rows import RowRule
+from ...runtime.tail import Answer
 from ...spec import SamplerSpec
 from .base import PHASE_ATOMIC, Job, Tensors, Ticket
 from .session import PrefillJob
@@ -70,16 +72,28 @@ class ExportStateJob(Job):
     A pipeline stage exports its own cells and asks the next stage for its
     own (recursively): ``kv_state`` is this stage's, ``kv_state.N`` the N-th
     stage below, and ``session_state.downstream`` their metadata in order
-    (the sampler travels in the last stage's, where sampling happens).
+    (the sampler travels in the last stage's, where sampling happens). The
+    request goes down the chain without holding the loop; the job holds the
+    session until the answer lands, so every stage's part is of one moment.
     """
 
     def start(self, rt: RuntimeState) -> bool:
-        meta, kv = export_session(rt, self.sessions[0])
+        sid = self.sessions[0]
+        meta, kv = export_session(rt, sid)
+        if rt.tail is None:
+            self._reply(rt, meta, kv, None)
+            return True
+        name = str(sid)
+        call = rt.ask("export_state", sid, lambda tail: tail.export_state(name))
+        return self.after_chain(rt, lambda: self._reply(rt, meta, kv, call.answer))
+
+    def _reply(
+        self, rt: RuntimeState, meta: dict[str, Any], kv: np.ndarray, below: Answer | None
+    ) -> None:
         parts = {"kv_state": kv}
-        if rt.tail is not None:
-            metas, kvs = rt.tail.export_state(str(self.sessions[0]))
-            meta["downstream"] = metas
-            parts |= {f"kv_state.{i + 1}": part for i, part in enumerate(kvs)}
+        if below is not None:
+            meta["downstream"] = below.states
+            parts |= {f"kv_state.{i + 1}": part for i, part in enumerate(below.kvs)}
         tensors = Tensors(
             parts,
             None,
@@ -90,11 +104,14 @@ class ExportStateJob(Job):
             token_count=int(meta["position"]),
         )
         self.ticket.reply({"session_state": meta}, tensors)
-        return True
 
 
 class ImportStateJob(Job):
-    """A new session made from a saved state (``export_state`` elsewhere)."""
+    """A new session made from a saved state (``export_state`` elsewhere).
+
+    On a pipeline stage the stages below get their parts down the chain
+    (without holding the loop) and the reply waits for them; if any
+    refuses, the session is dropped here too: no half-made session."""
 
     def __init__(
         self,
@@ -126,15 +143,20 @@ class ImportStateJob(Job):
         session = import_session(rt, sid, self.meta, self.kv, self.sampler_spec)
         self.kv = np.empty(0, dtype=np.uint8)  # release the request's buffer
         if rt.tail is not None:
+            name, below = str(sid), self.below
             try:
-                rt.tail.import_state(str(sid), downstream, self.below)
+                rt.ask("import_state", sid, lambda tail: tail.import_state(name, downstream, below))
             except BaseException:
-                rt.drop(sid)  # the stages below refused it: leave no half-made session
+                rt.drop(sid)  # the stages below cannot take it: leave no half-made session
                 raise
             finally:
                 self.below = []
-        self.ticket.reply({"position": session.position})
-        return True
+        return self.after_chain(rt, lambda: self.ticket.reply({"position": session.position}))
+
+    def landed(self, rt: RuntimeState, call: Call) -> bool:
+        if call.fault is not None and rt.lanes.get(self.sessions[0]) is not None:
+            rt.drop(self.sessions[0])  # the stages below refused it: no half-made session
+        return super().landed(rt, call)
 
 
 @dataclass(slots=True)
