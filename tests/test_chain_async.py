@@ -1,7 +1,7 @@
 """Stage 0 keeps serving while a request waits on the rest of the chain.
 
 Session ops that must reach the later stages (``drop``, ``export_state``,
-``trim``, ...) go down the chain without holding stage 0's loop: with the
+``info``, ...) go down the chain without holding stage 0's loop: with the
 last stage stopped (SIGSTOP) such a request stays pending while ``ping``
 is answered, and once the stage continues (SIGCONT) the request completes
 as it always did, every stage consistent (logits compared to one
@@ -83,11 +83,14 @@ def test_a_drop_waits_for_a_stopped_stage_while_stage_0_answers_ping(
         head.prefill("held", tokens)  # the session is on both stages now
         with stopped(pid):
             drop = head.send("drop", "held")
+            info = head.send("info")  # asks the chain too
             ping = head.send("ping")
             first = head.recv_any()
-            # stage 0's loop went on while the drop waited on the chain
+            # stage 0's loop went on while the drop (and info) waited on the chain
             assert first.header["id"] == ping and first.result == {"pong": True}
         assert head.recv(drop).raise_for_error().result == {}
+        chain_info = head.recv(info).raise_for_error().result["chain"]
+        assert [s["layers"] for s in chain_info] == [[0, 9], [9, 18]]
         # the drop reached the last stage before stage 0 answered it
         with pytest.raises(SkiffError) as err:
             last.drop("held")

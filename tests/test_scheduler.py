@@ -31,7 +31,7 @@ from faults import (
 from worker.core.jobs.base import PHASE_PREFILL, Event, Failure, Job, Outbox, Output, Result, Ticket
 from worker.core.jobs.batch import AtomicBatchJob, BatchEntry
 from worker.core.jobs.generate import GenerateJob
-from worker.core.jobs.session import DecodeJob, PrefillJob, SessionOpJob
+from worker.core.jobs.session import DecodeJob, InfoJob, PrefillJob, SessionOpJob
 from worker.core.outcomes import TurnClock
 from worker.core.scheduler import Scheduler, SchedulerConfig
 from worker.runtime import (
@@ -1104,6 +1104,25 @@ def test_a_running_job_sits_out_planning_until_its_trim_lands() -> None:
     rt.answer("trim")
     h.turn()
     assert h.result(job) == {"at": 2}
+
+
+def test_info_is_a_job_a_full_queue_does_not_refuse() -> None:
+    h, rt = chain_harness(lanes=1)
+    h.cfg = SchedulerConfig(max_queue=0)
+    h.sched.cfg = h.cfg
+    h.submit(h.generate("busy", max_tokens=5))
+    with pytest.raises(QueueFull):
+        h.submit(h.generate("more", max_tokens=5))
+
+    def compose(rest: Any) -> dict[str, Any]:
+        return {"rest": rest}
+
+    info = h.submit(InfoJob(h.ticket("info"), compose))
+    h.turn()
+    assert h.out(info) == []
+    rt.answer("info", chain=[{"layers": [9, 18]}])
+    h.turn()
+    assert h.result(info) == {"rest": {"chain": [{"layers": [9, 18]}]}}
 
 
 # -- exclusive turns (media decoded with non-causal attention) -------------------------

@@ -20,7 +20,7 @@ from structlog import get_logger
 
 from edge import Handler, Outgoing, Request, failure_header, logs
 from edge import process as process_stats
-from faults import Fault, Internal, Unsupported
+from faults import Internal, Unsupported
 from protocol import frames
 from protocol.envelope import VERSION, event_reply, ok_reply
 
@@ -241,21 +241,16 @@ class LlmService:
         }
 
     def chain_info(self) -> dict[str, Any] | None:
-        """This stage and every stage after it (asked down the chain)."""
+        """This stage, as the first entry of its ``chain``; a stage with a
+        next stage answers ``info`` through a job that asks the rest of the
+        chain (``api.handlers.h_info``), so the loop never waits for it."""
         if self.stage is None:
             return None
         mine = {**self.stage.info(), "bind": self.cfg.bind}
         if self.link is not None and self.link.head:
             # where sampled tokens come home from (3+ stages; set on the first forward)
             mine["direct_return"] = self.link.direct_endpoint
-        chain = [mine]
-        if self.link is not None:
-            try:
-                rest = self.link.info().get("chain") or []
-                chain.extend(rest if isinstance(rest, list) else [])
-            except Fault as exc:
-                chain.append({"endpoint": self.stage.next, "error": exc.message})
-        return {"stage": mine, "chain": chain}
+        return {"stage": mine, "chain": [mine]}
 
     def stats(self) -> dict[str, Any]:
         out = runtime_stats(self.rt)

@@ -5,7 +5,8 @@ values — ``bad_request`` naming the field, ``context_overflow`` for tokens
 that cannot fit a session — then either answers at once (ping, info, stats,
 tokenize, detokenize, cancel: the returned map is the result) or builds a
 job and submits it to the scheduler (returns None; the job answers through
-its ticket). Handlers never touch the socket or llama.cpp beyond the
+its ticket). ``info`` on a stage with a next stage is a job too: the rest
+of the chain answers in a later turn. Handlers never touch the socket or llama.cpp beyond the
 engine's tokenizer.
 
 The generation ops (``generate``, ``chat``) are in ``generate.py`` and
@@ -16,18 +17,20 @@ protocol, the ``Handler`` type and the shared readers in ``app.py``;
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
 import numpy as np
 
 from edge import Request
-from faults import BadRequest
+from faults import BadRequest, Fault
 from protocol.envelope import Op
 
 from ..core.jobs.batch import AtomicBatchJob, BatchEntry
 from ..core.jobs.session import (
     DecodeJob,
+    InfoJob,
     PrefillJob,
     SessionOpJob,
     VerifyJob,
@@ -53,7 +56,27 @@ def h_ping(app: App, req: Request) -> dict[str, Any] | None:
 
 
 def h_info(app: App, req: Request) -> dict[str, Any] | None:
-    return app.info()
+    """This worker's ``info``; a stage with a next stage asks the rest of the
+    chain for theirs in an ``InfoJob`` (answered in a later turn: the loop
+    does not wait for the chain)."""
+    here = app.info()
+    if app.rt.tail is None:
+        return here
+    app.submit(InfoJob(app.ticket(req), functools.partial(_with_rest, here)))
+    return None
+
+
+def _with_rest(here: dict[str, Any], rest: dict[str, Any] | Fault) -> dict[str, Any]:
+    """``info`` of a stage with the stages after it appended to its ``chain``
+    (what the next stage reported), or an entry saying why they are missing."""
+    chain = list(here.get("chain") or [])
+    if isinstance(rest, Fault):
+        stage = here.get("stage") or {}
+        chain.append({"endpoint": stage.get("next"), "error": rest.message})
+    else:
+        more = rest.get("chain") or []
+        chain.extend(more if isinstance(more, list) else [])
+    return {**here, "chain": chain}
 
 
 def h_stats(app: App, req: Request) -> dict[str, Any] | None:

@@ -6,10 +6,11 @@ token axis 0, positions) and the steps' metadata; its reply carries what the
 last stage sampled and any asked outputs. Everything is asynchronous: the
 stage sends a forward and goes on with its next turn (the scheduler bounds
 how many are in flight), collecting replies as they come; ``trim``,
-``drop``, ``signal``, ``export_state`` and ``import_state`` go the
-same way, each reply read into an ``Answer`` when it lands (``poll``), so
-a stopped or slow stage below never holds this stage's loop. ``info``
-still waits for its answer.
+``drop``, ``signal``, ``export_state``, ``import_state`` and ``info`` go
+the same way, each reply read into an ``Answer`` when it lands (``poll``),
+so a stopped or slow stage below never holds this stage's loop. The one
+wait left is the head's set-up of its direct return (3+ stages, on its
+first forward).
 
 The socket, request ids, deadlines and the watch on the connection are a
 ``protocol.peer.DealerPeer``; this module keeps the stage's policy. A dead
@@ -162,16 +163,8 @@ class StageLink:
         args = {"session_state": meta, "frame": frames.attach(frame, buffers)}
         return self._ask("import_state", session, args, buffers, _STATE_MS, _nothing)
 
-    def info(self) -> dict[str, Any]:
-        """The next stage's ``info``; the one request that still waits."""
-        ticket = self._ask("info", None, None, [], _SESSION_OP_MS, _result)
-        while ticket not in self._landed:
-            self.peer.pump(_SESSION_OP_MS)
-        outcome = self._landed.pop(ticket)
-        if isinstance(outcome, Fault):
-            raise outcome
-        assert isinstance(outcome, Answer)
-        return outcome.result
+    def info(self) -> int:
+        return self._ask("info", None, None, [], _SESSION_OP_MS, _result)
 
     # -- requests and replies ----------------------------------------------------------
 
@@ -197,6 +190,16 @@ class StageLink:
             lambda fault: self._put(req_id, self._excuse(op, session, fault)),
             req_id,
         )
+
+    def _wait(self, ticket: int) -> Answer:
+        """Block until ``ticket`` lands: only for setting up the direct return."""
+        while ticket not in self._landed:
+            self.peer.pump(_SESSION_OP_MS)
+        outcome = self._landed.pop(ticket)
+        if isinstance(outcome, Fault):
+            raise outcome
+        assert isinstance(outcome, Answer)
+        return outcome
 
     def _send(
         self,
@@ -296,7 +299,7 @@ class StageLink:
         """With 3+ stages, connect straight to the last one (as its previous
         stage dials it) so sampled tokens come home in one hop; wait for a
         ``ping`` through it so the last stage can route to us from the start."""
-        chain = self.info().get("chain") or []
+        chain = self._wait(self.info()).result.get("chain") or []
         self._direct_known = True
         if not isinstance(chain, list) or len(chain) < 2:
             return  # the next stage is the last: its replies are already direct

@@ -6,10 +6,10 @@ which the planner's cadence budget reads), its results go to the jobs that
 own its steps, a failed forward is isolated (jobs whose KV moved fail, the
 others run again alone), and a pipeline stage's forwards go down the chain
 (``launch``) and come home (``land``) while other work runs, as do the
-answers to its other requests down the chain (session ops, state moves),
-each handed to the job waiting for it. The scheduler owns the jobs
-(intake, reaping, admission, planning) and lends ``finish`` and its list
-of running jobs; this object owns the clock and the flights.
+answers to its other requests down the chain (session ops, state moves,
+``info``), each handed to the job waiting for it. The scheduler owns the
+jobs (intake, reaping, admission, planning) and lends ``finish`` and its
+list of running jobs; this object owns the clock and the flights.
 
 The scheduler's counters for ``stats`` (``SchedulerStats``: admissions,
 throughput, batch shapes) live here too, since forwards are most of what

@@ -99,7 +99,8 @@ class Scheduler:
         Jobs that free lanes will take this turn do not count as waiting.
         """
         self.peers.check(job, self._all_jobs(), self.rt.lanes.sessions)
-        if len(self.pending) >= self.cfg.max_queue + self.rt.lanes.free:
+        full = len(self.pending) >= self.cfg.max_queue + self.rt.lanes.free
+        if full and job.fills_queue:
             self.stats.rejected += 1
             raise QueueFull(
                 f"{len(self.pending)} requests already queued (max {self.cfg.max_queue})",

@@ -8,7 +8,7 @@ which runs the rest, samples with the sessions' samplers (they live where
 the logits are) and returns tokens and any asked outputs. Positions and
 token histories are then accounted here exactly as for a local forward.
 
-Session ops, queries and state moves go down the chain the same
+Session ops, queries, state moves and ``info`` go down the chain the same
 way (``ask``): sent at once, kept as a ``Call`` until their answer lands
 with the forwards (``land``), so no turn waits on the network. Their order
 needs no waiting: one connection delivers them in order and every stage
@@ -164,11 +164,11 @@ class Flight:
 @dataclass(eq=False)
 class Call:
     """A request down the chain that is not a forward (``trim``, ``drop``,
-    ``signal``, ``export_state``, ``import_state``), from the send until its
-    ``answer`` or ``fault`` lands."""
+    ``signal``, ``export_state``, ``import_state``, ``info``), from the send
+    until its ``answer`` or ``fault`` lands."""
 
     op: str
-    session: SessionId | None  # the session it is about
+    session: SessionId | None  # the session it is about (None: ``info``)
     answer: Answer | None = None
     fault: Fault | None = None
 

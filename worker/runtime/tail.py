@@ -6,7 +6,7 @@ over the wire by ``worker.chain.link``) and gets back what the last stage
 sampled. The runtime only sees this protocol; it knows nothing of sockets.
 
 Everything is asynchronous: ``send`` (a forward) and the session ops,
-queries and state moves each return a ticket at once, and
+queries, state moves and ``info`` each return a ticket at once, and
 ``poll`` hands back whatever has come home, so a stage runs its next
 forward while the next stage computes the last one (pipelining, bounded by
 the scheduler's in-flight credit) and never waits inside a turn for an
@@ -100,4 +100,8 @@ class Tail(Protocol):
 
     def import_state(self, session: str, metas: list[dict[str, Any]], kvs: list[np.ndarray]) -> int:
         """Make the session on every stage below from ``export_state``'s parts."""
+        ...
+
+    def info(self) -> int:
+        """The next stage's ``info`` (``Answer.result``: its ``chain``, recursively)."""
         ...

@@ -174,6 +174,7 @@ class Job:
     waits_for_lane = False  # queue (rather than lanes_busy) when no lane
     ephemeral = False  # sessions are created for this job and dropped after
     generation = False  # a generate/chat: counts against --max-streams-per-peer
+    fills_queue = True  # counts against --max-queue (not: holds no lane, starts at once)
 
     def __init__(self, ticket: Ticket, sessions: Sequence[SessionId]) -> None:
         self.ticket = ticket

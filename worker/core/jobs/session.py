@@ -6,19 +6,20 @@ one token and samples; ``VerifyJob`` scores a draft in one forward and
 keeps the accepted prefix; ``SessionOpJob`` is trim / align / drop /
 signal: instant, but in order with the session's other work (on a pipeline
 stage it replies once the rest of the chain has answered, without holding
-the loop).
+the loop); ``InfoJob`` is ``info`` on a stage with a next stage.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from faults import BadRequest
+from faults import BadRequest, Fault
 
-from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
+from ...runtime import Call, RuntimeState, Session, SessionId, Step, StepResult
 from ...runtime.rows import RowRule
 from ...spec import SamplerSpec
 from .base import (
@@ -186,6 +187,43 @@ class SessionOpJob(Job):
             rt.drop(sid)
             data = {}
         return self.after_chain(rt, functools.partial(reply, data))
+
+
+class InfoJob(Job):
+    """``info`` on a stage with a next stage: this stage's part is ready, the
+    rest of the chain's is asked down the chain. A job rather than an
+    instant answer so the loop goes on while the chain answers (a cached
+    copy would be stale or missing after a stage restarts, and the first
+    ``info`` would have none); it holds no session and no lane, so a full
+    queue does not refuse it. It never fails: ``compose`` (the edge's) puts
+    this stage's part and the answer, or why there is none, together."""
+
+    fills_queue = False
+
+    def __init__(
+        self, ticket: Ticket, compose: Callable[[dict[str, Any] | Fault], dict[str, Any]]
+    ) -> None:
+        super().__init__(ticket, [])
+        self.compose = compose
+        self.call: Call | None = None
+
+    def start(self, rt: RuntimeState) -> bool:
+        try:
+            self.call = rt.ask("info", None, lambda tail: tail.info())
+        except Fault as exc:
+            self.ticket.reply(self.compose(exc))
+            return True
+        return False
+
+    def waiting(self, rt: RuntimeState) -> bool:
+        return self.call is not None and not self.call.done
+
+    def awaits(self, call: Call) -> bool:
+        return call is self.call
+
+    def landed(self, rt: RuntimeState, call: Call) -> bool:
+        self.ticket.reply(self.compose(call.fault if call.fault is not None else call.result))
+        return True
 
 
 class VerifyJob(Job):
