@@ -369,15 +369,18 @@ def test_head_dials_the_last_stage_with_the_key_it_reports(keys: Keys) -> None:
             try:
 
                 def set_up(link: StageLink = link) -> bool:
-                    """False while the link cannot send yet: connected is not
-                    enough, its CURVE handshake must be done too."""
+                    """True once the direct return is up; False while the link
+                    cannot send yet (connected is not enough, its CURVE
+                    handshake must be done too) or the set-up, which never
+                    waits, is under way: the chain asked, the last stage pinged."""
+                    link.poll(20)  # takes in the chain's answer
                     try:
-                        link._setup_direct()
+                        link._direct_socket()
                     except StageUnavailable as exc:
                         if "is not connected" in exc.message:
                             return False
                         raise
-                    return True
+                    return link.direct_endpoint is not None
 
                 if ok:
                     wait_until(set_up, what="the direct-return socket set up")

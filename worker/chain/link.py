@@ -6,11 +6,10 @@ token axis 0, positions) and the steps' metadata; its reply carries what the
 last stage sampled and any asked outputs. Everything is asynchronous: the
 stage sends a forward and goes on with its next turn (the scheduler bounds
 how many are in flight), collecting replies as they come; ``trim``,
-``drop``, ``signal``, ``export_state``, ``import_state`` and ``info`` go
-the same way, each reply read into an ``Answer`` when it lands (``poll``),
-so a stopped or slow stage below never holds this stage's loop. The one
-wait left is the head's set-up of its direct return (3+ stages, on its
-first forward).
+``drop``, ``signal``, ``export_state``, ``import_state`` and ``info`` go the
+same way, each reply read into an ``Answer`` when it lands (``poll``), so
+a stopped or slow stage below never holds this stage's loop; so does the
+head's set-up of its direct return from the last stage (``direct.py``).
 
 The socket, request ids, deadlines and the watch on the connection are a
 ``protocol.peer.DealerPeer``; this module keeps the stage's policy. A dead
@@ -25,7 +24,6 @@ by itself and chain work resumes.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -35,11 +33,12 @@ from structlog import get_logger
 
 from faults import BadRequest, Fault, SessionNotActive, StageUnavailable
 from protocol import frames, sockets, transport
-from protocol.envelope import fault_of, request
+from protocol.envelope import fault_of
 from protocol.peer import DealerPeer, NotSent, OnReply
 
 from ..runtime import Origin, wire
 from ..runtime.tail import Answer, Landed, TailResult, TailStep
+from .direct import DirectReturn
 
 _log = get_logger("skiff.stage")
 _SESSION_OP_MS = 5_000  # trim / drop / signal / info downstream: no forward, within a turn
@@ -62,13 +61,6 @@ class StageLink:
         # CURVE: this stage's pair; ``server_key`` is the next stage's. The
         # direct socket to the last stage uses the key that stage reports.
         self.curve = curve
-        # The head stage of a chain of 3+ stages gets its sampled tokens from
-        # the last stage directly (``_direct``), not relayed by the stages in
-        # between; set up on the first forward, once the chain is known.
-        self.head = head
-        self._direct: zmq.Socket[Any] | None = None
-        self._direct_known = not head
-        self.direct_endpoint: str | None = None  # the last stage, once connected
         # f16 halves the bytes a row costs on the wire, at a measured logit error
         # (scripts/bench_stages.py); f32 keeps the chain exact.
         self.frame_dtype = np.float16 if frame_dtype == "f16" else np.float32
@@ -83,23 +75,33 @@ class StageLink:
             late=lambda op: StageUnavailable(f"the next stage ({endpoint}) did not answer {op}"),
         )
         self._landed: dict[int, Landed | Answer] = {}  # home, not yet polled
+        # The head stage of a chain of 3+ stages gets its sampled tokens from
+        # the last stage directly, not relayed by the stages in between; set
+        # up from the first forward on (``_direct_socket``), never waiting.
+        self.head = head
+        self.direct = DirectReturn(self._ctx, curve) if head else None
+        self._setup: int | None = None  # the ``info`` asked for the set-up
 
     @property
     def connected(self) -> bool:
         return self.peer.connected
 
+    @property
+    def direct_endpoint(self) -> str | None:
+        """The last stage, once the direct return is up."""
+        return self.direct.endpoint if self.direct is not None else None
+
     def close(self) -> None:
-        if self._direct is not None:
-            self._direct.close(linger=0)
+        if self.direct is not None:
+            self.direct.close()
         self.peer.close()
 
     # -- the Tail protocol ---------------------------------------------------------
 
     def send(self, steps: list[TailStep], hidden: np.ndarray) -> int:
-        if not self._direct_known:
-            self._setup_direct()
+        sock = self._direct_socket()
         req_id = self.peer.next_id()
-        direct = self._direct.getsockopt(zmq.ROUTING_ID) if self._direct is not None else None
+        direct = sock.getsockopt(zmq.ROUTING_ID) if sock is not None else None
         if isinstance(direct, bytes):
             # answered by the last stage straight to our direct socket
             for i, step in enumerate(steps):
@@ -191,15 +193,24 @@ class StageLink:
             req_id,
         )
 
-    def _wait(self, ticket: int) -> Answer:
-        """Block until ``ticket`` lands: only for setting up the direct return."""
-        while ticket not in self._landed:
-            self.peer.pump(_SESSION_OP_MS)
-        outcome = self._landed.pop(ticket)
-        if isinstance(outcome, Fault):
-            raise outcome
-        assert isinstance(outcome, Answer)
-        return outcome
+    def _direct_socket(self) -> zmq.Socket[Any] | None:
+        """The direct return's socket once it is up, else None (the forward
+        is relayed); moves its set-up on without waiting: asks the next
+        stage for the chain, then dials the last stage. A chain found not
+        to be diallable fails this forward (and is asked again next time)."""
+        d = self.direct
+        if d is None or d.sock is not None or d.known:
+            return d.sock if d is not None else None
+        if d.dialing and d.ready():
+            assert d.sock is not None
+            self.peer.also(d.sock)
+            return d.sock
+        if d.refused is not None:
+            refused, d.refused = d.refused, None
+            raise refused
+        if self._setup is None and not d.dialing:
+            self._setup = self.info()
+        return None
 
     def _send(
         self,
@@ -236,6 +247,13 @@ class StageLink:
         return req_id
 
     def _put(self, req_id: int, outcome: Landed | Answer) -> None:
+        if req_id == self._setup and self.direct is not None:
+            self._setup = None  # the chain, for the direct return (not polled)
+            if isinstance(outcome, Answer):
+                self.direct.learn(outcome.result.get("chain"))
+            elif isinstance(outcome, Fault):
+                self.direct.refused = outcome
+            return
         self._landed[req_id] = outcome
 
     def _excuse(self, op: str, session: str | None, fault: Fault) -> Fault | Answer:
@@ -288,46 +306,12 @@ class StageLink:
         if not reply.get("ok"):
             return fault_of(reply, "next stage: ")
         items = (reply.get("result") or {}).get("results")
-        if self._direct is not None and wire.is_direct(items):
+        if self.direct is not None and self.direct.sock is not None and wire.is_direct(items):
             return None  # the stages below took it; the last stage answers us directly
         try:
             return _results(reply, buffers, steps)
         except (Fault, ValueError, KeyError, TypeError) as exc:
             return StageUnavailable(f"the next stage sent a malformed forward_frame reply: {exc}")
-
-    def _setup_direct(self) -> None:
-        """With 3+ stages, connect straight to the last one (as its previous
-        stage dials it) so sampled tokens come home in one hop; wait for a
-        ``ping`` through it so the last stage can route to us from the start."""
-        chain = self._wait(self.info()).result.get("chain") or []
-        self._direct_known = True
-        if not isinstance(chain, list) or len(chain) < 2:
-            return  # the next stage is the last: its replies are already direct
-        endpoint = chain[-2].get("next") if isinstance(chain[-2], dict) else None
-        if not isinstance(endpoint, str) or not endpoint:
-            self._direct_known = False
-            raise StageUnavailable("the chain's last stage endpoint is unknown")
-        curve = None
-        if self.curve is not None:
-            last = chain[-1] if isinstance(chain[-1], dict) else {}
-            key = last.get("curve_key")
-            if not isinstance(key, str):
-                self._direct_known = False
-                raise StageUnavailable("the chain's last stage reports no CURVE key")
-            curve = self.curve.toward(key.encode())
-        routing_id = b"skiff-head-" + os.urandom(8).hex().encode()
-        opts = sockets.SocketOptions(curve=curve, routing_id=routing_id)
-        sock: zmq.Socket[Any] = sockets.dealer(self._ctx, endpoint, opts)
-        sock.send(transport.encode(request(0, "ping", None, None)))
-        if not sock.poll(_SESSION_OP_MS):
-            sock.close(linger=0)
-            self._direct_known = False
-            raise StageUnavailable(f"the chain's last stage ({endpoint}) did not answer")
-        sock.recv_multipart()
-        self._direct = sock
-        self.direct_endpoint = endpoint
-        self.peer.also(sock)
-        _log.info("stage_direct_return", last_stage=endpoint)
 
 
 def _nothing(result: dict[str, Any], buffers: list[memoryview]) -> Answer:
