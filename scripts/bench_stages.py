@@ -28,6 +28,7 @@ Printed, all from one run:
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,9 @@ def start(
     with Client(endpoint) as c:
         c.wait_ready(300, alive=lambda: proc.poll() is None)
     return proc, endpoint
+
+
+_CALLS = itertools.count()
 
 
 def concurrently(one: Callable[[int], None], n: int) -> float:
@@ -164,7 +168,9 @@ def streamed(
     def one(i: int) -> None:
         time.sleep(i * gap_ms / 1000)
         args = {
-            "prompt": PROMPTS[i % len(PROMPTS)] * prompt_repeat,
+            # a new opening each call: no prefix cache (a whole worker has
+            # one, a chain does not) turns a repeated prompt into a free prefill
+            "prompt": f"Run {next(_CALLS)}. " + PROMPTS[i % len(PROMPTS)] * prompt_repeat,
             "max_tokens": max_tokens,
             "ignore_eos": True,
         }
