@@ -219,7 +219,7 @@ def pinned(args: argparse.Namespace) -> None:
             else:  # from measured costs: the head may outweigh every layer (skiff-slice --balance)
                 costs = measure(str(model["path"]), rows=max(1, 8 // args.groups), threads=1)
                 print(report(costs, 2))
-                cut = str(best_cuts(costs, 2).cuts[1])
+                cut = str(best_cuts(costs, 2, costs.loadable).cuts[1])
             s1, s1_ep = start(
                 tmp, "s1", *common, "--layers", f"{cut}:{n_layer}", "--cpus", "1", threads=1
             )

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import ROOT, WAIT_S
 from worker.slice.balance import Costs, best_cuts, measure, report
 from worker.slice.slicer import main as slice_main
+from worker.slice.swa import range_problem
 
 
 def test_equal_layers_split_evenly() -> None:
@@ -23,6 +28,26 @@ def test_a_heavy_head_pulls_every_layer_but_one_to_the_first_stage() -> None:
     assert split.cuts == (0, 17, 18)
     assert split.ranges() == ["0:17", "17:18"]
     assert split.bound == pytest.approx(60.0 / 43.0)
+
+
+def test_a_gemma3_split_never_leaves_a_stage_of_dense_layers_only() -> None:
+    """llama.cpp aborts on a Gemma 3 slice without a sliding-window layer:
+    with the head's weight, the best loadable cut is 16, not 17 (layer 17 is
+    dense), and a stage start refuses 17:18 by name instead of crashing."""
+    costs = Costs(4, (1.0,) * 18, 42.0, "gemma3")
+    assert not costs.loadable(17, 18) and costs.loadable(16, 18)
+    assert best_cuts(costs, 2, costs.loadable).cuts == (0, 16, 18)
+    assert best_cuts(Costs(4, (1.0,) * 18, 42.0, "llama"), 2, None).cuts == (0, 17, 18)
+    problem = range_problem("gemma3", 17, 18)
+    assert problem is not None and "sliding-window" in problem
+    assert range_problem("llama", 17, 18) is None
+
+
+def test_a_stage_of_dense_layers_only_is_refused_at_startup(tmp_path: Path) -> None:
+    bind = "ipc://" + str(tmp_path / "x")
+    argv = [sys.executable, "-m", "worker.cli", "--layers", "17:18", "--bind", bind]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode != 0 and "sliding-window" in proc.stderr + proc.stdout
 
 
 def test_more_stages_than_layers_is_refused() -> None:

@@ -30,6 +30,7 @@ from protocol.sockets import Curve
 from ..config import WorkerConfig, curve_keys
 from ..models import resolve_model
 from ..slice.slicer import SliceError, cached_slice, model_info, parse_range
+from ..slice.swa import range_problem
 from .link import StageLink
 
 
@@ -70,9 +71,12 @@ def plan_stage(cfg: WorkerConfig) -> StagePlan | None:
     source = resolve_model(cfg.model)
     try:
         lo, hi = parse_range(cfg.layers)
-        _, n_layer = model_info(source)
+        arch, n_layer = model_info(source)
         if not 0 <= lo < hi <= n_layer:
             raise SliceError(f"--layers {lo}:{hi} is not a range of the model's {n_layer} layers")
+        problem = range_problem(arch, lo, hi)
+        if problem is not None:
+            raise SliceError(problem)
         if cfg.next and hi == n_layer:
             raise SliceError("the stage holding the last layer samples: it takes no --next")
         if not cfg.next and hi != n_layer:

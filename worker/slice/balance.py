@@ -26,10 +26,13 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
+
+from .swa import range_problem
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,11 @@ class Costs:
     rows: int
     layers: tuple[float, ...]
     head: float
+    arch: str = ""  # the model's architecture: which ranges a slice may hold
+
+    def loadable(self, lo: int, hi: int) -> bool:
+        """Whether llama.cpp can load a slice of layers ``lo .. hi-1``."""
+        return range_problem(self.arch, lo, hi) is None
 
     @property
     def total(self) -> float:
@@ -61,15 +69,20 @@ class Split:
         return [f"{lo}:{hi}" for lo, hi in zip(self.cuts, self.cuts[1:], strict=False)]
 
 
-def best_cuts(costs: Costs, stages: int) -> Split:
+def best_cuts(
+    costs: Costs, stages: int, allowed: Callable[[int, int], bool] | None = None
+) -> Split:
     """The contiguous split into ``stages`` (each at least one layer, the head
-    with the last) whose most expensive stage is cheapest."""
+    with the last) whose most expensive stage is cheapest; ``allowed(lo, hi)``
+    may rule ranges out (a Gemma 3 slice of dense layers only cannot load)."""
     n = len(costs.layers)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot split {n} layers into {stages} stages")
     prefix = np.concatenate([[0.0], np.cumsum(costs.layers)])
 
     def part(lo: int, hi: int) -> float:
+        if allowed is not None and not allowed(lo, hi):
+            return float("inf")
         return float(prefix[hi] - prefix[lo]) + (costs.head if hi == n else 0.0)
 
     @cache
@@ -85,7 +98,9 @@ def best_cuts(costs: Costs, stages: int) -> Split:
                 best = (worst, (hi, *cuts))
         return best
 
-    _, inner = solve(0, stages)
+    worst, inner = solve(0, stages)
+    if worst == float("inf"):
+        raise ValueError(f"no split of {n} layers into {stages} stages can be loaded")
     cuts = (0, *inner, n)
     stage_ms = tuple(part(lo, hi) for lo, hi in itertools.pairwise(cuts))
     return Split(cuts, stage_ms)
@@ -128,14 +143,15 @@ def measure(model_path: str, rows: int = 4, repeats: int = 12, threads: int = 1)
             samples.append([b - a for a, b in itertools.pairwise(edges)])
         kept = samples[2:]  # the first decodes warm caches and graphs up
         medians = [statistics.median(s[i] for s in kept) * 1e3 for i in range(n_layer + 1)]
-        return Costs(rows, tuple(medians[:n_layer]), medians[n_layer])
+        arch = str(engine.metadata("general.architecture") or "")
+        return Costs(rows, tuple(medians[:n_layer]), medians[n_layer], arch)
     finally:
         engine.close()
 
 
 def report(costs: Costs, stages: int) -> str:
     """The table ``skiff-slice --balance`` prints."""
-    split = best_cuts(costs, stages)
+    split = best_cuts(costs, stages, costs.loadable)
     lines = [
         f"decode step of {costs.rows} rows: {costs.total:.2f} ms "
         f"(layers {sum(costs.layers):.2f} ms, head {costs.head:.2f} ms = "

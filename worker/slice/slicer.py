@@ -58,11 +58,11 @@ from typing import Any
 import numpy as np
 
 from .ggufmeta import GGUFMetaError, iter_metadata
+from .swa import range_problem, swa_pattern
 
 # Architectures whose per-layer behaviour is known to survive renumbering
 # with the rules above (extend only with a test that compares logits).
 ALLOWED_ARCHS = ("gemma3", "llama")
-_SWA_PATTERN_EVERY = {"gemma3": 6}  # dense layer when (il + 1) % n == 0
 
 
 class SliceError(ValueError):
@@ -120,14 +120,6 @@ def model_info(path: Path) -> tuple[str, int]:
     return arch, n_layer
 
 
-def swa_pattern(arch: str, lo: int, hi: int) -> list[bool] | None:
-    """The sliding-window flag of source layers ``lo .. hi-1`` (None: no SWA)."""
-    every = _SWA_PATTERN_EVERY.get(arch)
-    if every is None:
-        return None
-    return [(il + 1) % every != 0 for il in range(lo, hi)]
-
-
 @dataclass(frozen=True)
 class Parts:
     """What a slice holds besides its own blocks, by what its stage reads."""
@@ -183,6 +175,9 @@ def slice_model(
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     if not 0 <= lo < hi <= n_layer or (parts.spare and hi == n_layer):
         raise SliceError(f"layers {lo}:{hi} are not a range of the model's {n_layer}")
+    problem = range_problem(arch, lo, hi)
+    if problem is not None:
+        raise SliceError(problem)
     end = hi + 1 if parts.spare else hi  # blocks in the file, the spare one included
     tmp = out.with_suffix(out.suffix + ".partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
