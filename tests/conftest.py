@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -196,3 +197,18 @@ def client(worker: tuple[str, Path]) -> Iterator[Client]:
         for entry in c.stats()["sessions"]:
             if not entry.get("ephemeral"):
                 c.drop(entry["session"])
+
+
+def greedy_run(
+    client: Client, session: str, tokens: list[int], steps: int
+) -> tuple[list[int], np.ndarray]:
+    """Prefill ``tokens`` into ``session``, decode ``steps`` greedy tokens,
+    drop it: the tokens and every step's logits (exactness compares them)."""
+    first = int(client.prefill_sampled(session, tokens)["token"])
+    out, rows = [first], []
+    for _ in range(steps):
+        reply = client.decode(session, out[-1], output=["logits"])
+        rows.append(np.array(reply.frame.array("logits")[0]))
+        out.append(int(reply.result["token"]))
+    client.drop(session)
+    return out, np.stack(rows)

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
-from conftest import start_worker, stop_worker
+from conftest import greedy_run, start_worker, stop_worker
 from protocol import Client
 from worker.engine import pages
 from worker.slice.ggufmeta import GGUFArray, TensorInfo, read_metadata, read_tensor_infos
@@ -89,17 +88,6 @@ def test_stage_slices_hold_only_what_their_stage_reads(
     assert end < Path(model_path).stat().st_size / 4  # the middle stage's file
 
 
-def _run(client: Client, session: str, tokens: list[int], steps: int) -> tuple[Any, np.ndarray]:
-    first = client.prefill_sampled(session, tokens)["token"]
-    out, rows = [first], []
-    for _ in range(steps):
-        reply = client.decode(session, out[-1], output=["logits"])
-        rows.append(np.array(reply.frame.array("logits")[0]))
-        out.append(int(reply.result["token"]))
-    client.drop(session)
-    return out, np.stack(rows)
-
-
 def test_stand_ins_are_never_read(
     client: Client, model_path: str, slices: dict[tuple[int, int], Path], tmp_path: Path
 ) -> None:
@@ -127,9 +115,9 @@ def test_stand_ins_are_never_read(
     p0, e0, _ = start_worker(tmp_path, *args, "--layers", "0:6", "--next", e1, name="n0")
     try:
         tokens = client.tokenize(PROMPT)
-        want = _run(client, "nan_full", tokens, 8)
+        want = greedy_run(client, "nan_full", tokens, 8)
         with Client(e0, timeout_ms=120_000) as head:
-            got = _run(head, "nan_chain", tokens, 8)
+            got = greedy_run(head, "nan_chain", tokens, 8)
         assert got[0] == want[0]
         assert float(np.max(np.abs(got[1] - want[1]))) == 0.0
         for endpoint, (lo, hi) in zip((e0, e1, e2), STAGES, strict=True):

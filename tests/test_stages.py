@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import WAIT_S, start_worker, stop_worker, wait_until
+from conftest import WAIT_S, greedy_run, start_worker, stop_worker, wait_until
 from protocol import Client, SkiffError
 from worker.slice.slicer import slice_model, validate
 
@@ -24,20 +24,6 @@ def _long_prompt(client: Client, n: int) -> list[int]:
     text = " ".join(f"Note {i}: the tide reached marker {i * 11 % 37} at noon." for i in range(300))
     tokens: list[int] = client.tokenize(text)
     return tokens[:n]
-
-
-def _run(
-    client: Client, session: str, tokens: list[int], steps: int
-) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens and the logits of every step, through ``output``."""
-    first = client.prefill_sampled(session, tokens)["token"]
-    out, rows = [first], []
-    for _ in range(steps):
-        reply = client.decode(session, out[-1], output=["logits"])
-        rows.append(np.array(reply.frame.array("logits")[0]))
-        out.append(int(reply.result["token"]))
-    client.drop(session)
-    return out, np.stack(rows)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +43,9 @@ def test_two_stages_equal_one_worker_to_the_bit(
     client: Client, chain2: tuple[str, str, Path], n_tokens: int
 ) -> None:
     tokens = _long_prompt(client, n_tokens) if n_tokens > 100 else client.tokenize(PROMPT)[:20]
-    want_tokens, want_logits = _run(client, f"full{n_tokens}", tokens, 16)
+    want_tokens, want_logits = greedy_run(client, f"full{n_tokens}", tokens, 16)
     with Client(chain2[0], timeout_ms=120_000) as head:
-        got_tokens, got_logits = _run(head, f"chain{n_tokens}", tokens, 16)
+        got_tokens, got_logits = greedy_run(head, f"chain{n_tokens}", tokens, 16)
     assert got_tokens == want_tokens
     assert float(np.max(np.abs(got_logits - want_logits))) == 0.0
 
@@ -229,7 +215,7 @@ def test_a_session_moves_between_chains_and_continues_exactly(
     session on each stage, and decoding on continues as on one worker. A
     whole-model state does not load into a chain."""
     tokens = _long_prompt(client, 600)  # past the 512-token window
-    want, _ = _run(client, "mig_full", tokens, 6)
+    want, _ = greedy_run(client, "mig_full", tokens, 6)
     args = ("--lanes", "2", "--ctx", "4096")
     tmp = chain2[2]
     p1, e1, _ = start_worker(tmp, *args, "--layers", "9:18", name="m1")
@@ -265,9 +251,9 @@ def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:
     p0, e0, _ = start_worker(tmp_path, *args, "--layers", "0:6", "--next", e1, name="t0")
     try:
         tokens = client.tokenize(PROMPT)
-        want = _run(client, "three_full", tokens, 8)
+        want = greedy_run(client, "three_full", tokens, 8)
         with Client(e0, timeout_ms=120_000) as head:
-            got = _run(head, "three", tokens, 8)
+            got = greedy_run(head, "three", tokens, 8)
             # asked through the middle stage, answered by the last
             got_signals = _signals(head, "three_sig", tokens, 3)
             # sampled tokens came home straight from the last stage

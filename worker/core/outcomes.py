@@ -21,6 +21,7 @@ the histogram has fixed buckets.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -262,17 +263,23 @@ class Outcomes:
             if failed is not None:
                 self.finish(job, failed)
                 continue
-            try:
-                finished = job.advance(self.rt, part)
-            except Fault as exc:
-                self.finish(job, exc)
-                continue
-            except Exception as exc:  # a bug in one job must not kill the others
-                _log.exception("job_crashed", op=job.ticket.op)
-                self.finish(job, exc)
-                continue
-            if finished:
-                self.finish(job, None)
+            self._guarded(job, functools.partial(job.advance, self.rt, part))
+
+    def _guarded(self, job: Job, step: Callable[[], bool]) -> None:
+        """Run one of ``job``'s steps; finish it when the step says it is
+        done, or fail it alone when the step raises (a bug in one job must
+        not kill the others)."""
+        try:
+            finished = step()
+        except Fault as exc:
+            self.finish(job, exc)
+            return
+        except Exception as exc:
+            _log.exception("job_crashed", op=job.ticket.op)
+            self.finish(job, exc)
+            return
+        if finished:
+            self.finish(job, None)
 
     # -- a pipeline stage: forwards in flight down the chain ----------------------
 
@@ -337,14 +344,4 @@ class Outcomes:
             if call.fault is not None:
                 _log.warning("chain_answer_unclaimed", op=call.op, error=str(call.fault))
             return
-        try:
-            finished = job.landed(self.rt, call)
-        except Fault as exc:
-            self.finish(job, exc)
-            return
-        except Exception as exc:  # a bug in one job must not kill the others
-            _log.exception("job_crashed", op=job.ticket.op)
-            self.finish(job, exc)
-            return
-        if finished:
-            self.finish(job, None)
+        self._guarded(job, functools.partial(job.landed, self.rt, call))
