@@ -10,7 +10,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -114,6 +115,41 @@ def start_worker(
     return proc, endpoint, log_path
 
 
+@contextmanager
+def start_chain(
+    tmp: Path, ranges: Sequence[str], *args: str, head: Sequence[str] = (), name: str = "s"
+) -> Iterator[list[str]]:
+    """A pipeline of stages with these layer ranges (``"0:9", "9:18"``), each
+    started with ``args`` (stage 0 also with ``head``), the last first so each
+    ``--next`` answers: the endpoints in stage order; all stopped on exit."""
+    procs: list[subprocess.Popen[bytes]] = []
+    endpoints: list[str] = []
+    try:
+        for i in reversed(range(len(ranges))):
+            more = ["--next", endpoints[0]] if endpoints else []
+            if i == 0:
+                more += head
+            proc, endpoint, _ = start_worker(
+                tmp, *args, "--layers", ranges[i], *more, name=f"{name}{i}"
+            )
+            procs.append(proc)
+            endpoints.insert(0, endpoint)
+        yield endpoints
+    finally:
+        for proc in reversed(procs):  # stage 0 first: nothing new goes down the chain
+            stop_worker(proc)
+
+
+@contextmanager
+def tidy_client(endpoint: str, timeout_ms: int = 60_000) -> Iterator[Client]:
+    """A client whose test leaves no named session behind (lanes are shared)."""
+    with Client(endpoint, timeout_ms=timeout_ms) as c:
+        yield c
+        for entry in c.stats()["sessions"]:
+            if not entry.get("ephemeral"):
+                c.drop(entry["session"])
+
+
 def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """``python -m ARGS`` from the repository, JSON logs appended to ``log``."""
     return subprocess.Popen(
@@ -182,21 +218,15 @@ def unparked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture()
 def unparked_client(unparked: str) -> Iterator[Client]:
-    with Client(unparked, timeout_ms=60_000) as c:
+    with tidy_client(unparked) as c:
         yield c
-        for entry in c.stats()["sessions"]:
-            if not entry.get("ephemeral"):
-                c.drop(entry["session"])
 
 
 @pytest.fixture()
 def client(worker: tuple[str, Path]) -> Iterator[Client]:
     """A client whose test leaves no session behind (lanes are shared)."""
-    with Client(worker[0], timeout_ms=60_000) as c:
+    with tidy_client(worker[0]) as c:
         yield c
-        for entry in c.stats()["sessions"]:
-            if not entry.get("ephemeral"):
-                c.drop(entry["session"])
 
 
 def greedy_run(

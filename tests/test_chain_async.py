@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import WAIT_S, start_worker, stop_worker, wait_until
+from conftest import WAIT_S, start_chain, wait_until
 from protocol import Client, SkiffError
 
 PROMPT = "The lighthouse keeper climbed the stairs every evening, and the sea below"
@@ -31,11 +31,8 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, 
     """(stage-0 endpoint, stage-1 endpoint, stage-1 pid): layers 0:9 -> 9:18."""
     tmp = tmp_path_factory.mktemp("chain_async")
     args = ("--lanes", "2", "--ctx", "4096")
-    p1, e1, _ = start_worker(tmp, *args, "--layers", "9:18", name="a1")
-    p0, e0, _ = start_worker(tmp, *args, "--layers", "0:9", "--next", e1, name="a0")
-    yield e0, e1, p1.pid
-    stop_worker(p0)
-    stop_worker(p1)
+    with start_chain(tmp, ["0:9", "9:18"], *args, name="a") as (e0, e1), Client(e1) as last:
+        yield e0, e1, int(last.stats()["process"]["pid"])
 
 
 def _state(pid: int) -> str:

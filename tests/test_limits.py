@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from test_scheduler import PEER, Harness
 
-from conftest import start_worker, stop_worker
+from conftest import start_worker, stop_worker, tidy_client
 from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import Client, SkiffError, frame_limits, frames
 from worker import config
@@ -284,11 +284,8 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture()
 def client(small: str) -> Iterator[Client]:
-    with Client(small, timeout_ms=60_000) as c:
+    with tidy_client(small) as c:
         yield c
-        for entry in c.stats()["sessions"]:
-            if not entry.get("ephemeral"):
-                c.drop(entry["session"])
 
 
 def _refused(client: Client, op: str, args: dict[str, Any], *, session: str | None = None) -> str:

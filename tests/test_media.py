@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from media_images import TOKENS_PER_IMAGE, make_mmproj, png, rgb
 
-from conftest import WAIT_S, start_worker, stop_worker, wait_until
+from conftest import WAIT_S, start_chain, start_worker, stop_worker, tidy_client, wait_until
 from protocol import Client, SkiffError
 from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
 from worker.core.speculative import lookup_draft
@@ -68,11 +68,8 @@ def media_worker(
 @pytest.fixture()
 def mc(media_worker: tuple[str, Path]) -> Iterator[Client]:
     """A client of the media worker whose test leaves no session behind."""
-    with Client(media_worker[0], timeout_ms=60_000) as c:
+    with tidy_client(media_worker[0]) as c:
         yield c
-        for entry in c.stats()["sessions"]:
-            if not entry.get("ephemeral"):
-                c.drop(entry["session"])
 
 
 @pytest.fixture(scope="module")
@@ -412,22 +409,17 @@ def test_images_through_a_chain_equal_one_worker(
     want_logits = logits_after(mc, "ref-chain", probe(mc))
     gen = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "media": [{"buffer": 0}]}
     want_tokens = [r.header.get("token") for r in mc.stream("generate", None, gen, buffers=[IMAGE])]
-    p1, e1, _ = start_worker(tmp_path, *common, "--layers", "9:18", name="m1")
-    p0, e0, _ = start_worker(
-        tmp_path, *common, "--layers", "0:9", "--next", e1, "--mmproj", str(projector_path),
-        name="m0",
-    )  # fmt: skip
-    try:
-        with Client(e0, timeout_ms=120_000) as head:
-            assert head.info()["media"]["marker"] == marker
-            got = head.prefill_media("chain", prompt, [IMAGE])
-            got_logits = logits_after(head, "chain", probe(head))
-            got_tokens = [
-                r.header.get("token") for r in head.stream("generate", None, gen, buffers=[IMAGE])
-            ]
-    finally:
-        stop_worker(p0)
-        stop_worker(p1)
+    head_args = ("--mmproj", str(projector_path))
+    with (
+        start_chain(tmp_path, ["0:9", "9:18"], *common, head=head_args, name="m") as (e0, _),
+        Client(e0, timeout_ms=120_000) as head,
+    ):
+        assert head.info()["media"]["marker"] == marker
+        got = head.prefill_media("chain", prompt, [IMAGE])
+        got_logits = logits_after(head, "chain", probe(head))
+        got_tokens = [
+            r.header.get("token") for r in head.stream("generate", None, gen, buffers=[IMAGE])
+        ]
     assert (got["token"], got["token_count"]) == (want["token"], want["token_count"])
     assert float(np.max(np.abs(got_logits - want_logits))) == 0.0
     assert got_tokens == want_tokens and len(want_tokens) == 7  # 6 tokens, then done

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import greedy_run, start_worker, stop_worker
+from conftest import greedy_run, start_chain
 from protocol import Client
 from worker.engine import pages
 from worker.slice.ggufmeta import GGUFArray, TensorInfo, read_metadata, read_tensor_infos
@@ -110,10 +110,8 @@ def test_stand_ins_are_never_read(
     for lo, hi in (STAGES[0], STAGES[2]):
         stage_slice_path(link, sha, lo, hi, tmp_path).symlink_to(slices[(lo, hi)])
     args = ("--lanes", "2", "--ctx", "4096", "--model", str(link))
-    p2, e2, _ = start_worker(tmp_path, *args, "--layers", "12:18", name="n2")
-    p1, e1, _ = start_worker(tmp_path, *args, "--layers", "6:12", "--next", e2, name="n1")
-    p0, e0, _ = start_worker(tmp_path, *args, "--layers", "0:6", "--next", e1, name="n0")
-    try:
+    ranges = [f"{lo}:{hi}" for lo, hi in STAGES]
+    with start_chain(tmp_path, ranges, *args, name="n") as (e0, e1, e2):
         tokens = client.tokenize(PROMPT)
         want = greedy_run(client, "nan_full", tokens, 8)
         with Client(e0, timeout_ms=120_000) as head:
@@ -135,6 +133,3 @@ def test_stand_ins_are_never_read(
                 start, end = _extents(real)["token_embd.weight"]
                 rows = pages.mapped_bytes(real, start, end, pid)
                 assert 0 < rows < (end - start) // 10, rows
-    finally:
-        for p in (p0, p1, p2):
-            stop_worker(p)

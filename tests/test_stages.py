@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import WAIT_S, greedy_run, start_worker, stop_worker, wait_until
+from conftest import WAIT_S, greedy_run, start_chain, start_worker, stop_worker, wait_until
 from protocol import Client, SkiffError
 from worker.slice.slicer import slice_model, validate
 
@@ -30,12 +30,8 @@ def _long_prompt(client: Client, n: int) -> list[int]:
 def chain2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
     """(stage-0 endpoint, stage-1 endpoint, tmp): layers 0:9 -> 9:18."""
     tmp = tmp_path_factory.mktemp("chain2")
-    args = ("--lanes", "8", "--ctx", "16384")
-    p1, e1, _ = start_worker(tmp, *args, "--layers", "9:18", name="s1")
-    p0, e0, _ = start_worker(tmp, *args, "--layers", "0:9", "--next", e1, name="s0")
-    yield e0, e1, tmp
-    stop_worker(p0)
-    stop_worker(p1)
+    with start_chain(tmp, ["0:9", "9:18"], "--lanes", "8", "--ctx", "16384") as (e0, e1):
+        yield e0, e1, tmp
 
 
 @pytest.mark.parametrize("n_tokens", [20, 700])
@@ -108,12 +104,14 @@ def test_eight_sessions_batched_through_a_chain_match_one_worker(
 def test_pipeline_groups_take_turns_down_the_chain_and_stay_exact(
     client: Client, tmp_path: Path
 ) -> None:
-    """``--pipeline-groups 2``: four greedy streams split into two groups that
+    """``--pipeline-groups 2``: four greedy streams (one past the sliding
+    window) split into two groups that
     overlap down the chain; each stream's tokens and logits equal the same
     generation alone on one worker (batch invariance: a row does not depend
     on which rows share its forward)."""
     prompts = [client.tokenize(f"Letter {i}: dear friend by the {w},") for i, w in
-               enumerate(["sea", "hill", "river", "wood"])]  # fmt: skip
+               enumerate(["sea", "hill", "river"])]  # fmt: skip
+    prompts.append(_long_prompt(client, 600))  # past the 512-token sliding window
     args: dict[str, Any] = {"max_tokens": 12, "ignore_eos": True, "output": ["logits"]}
 
     def stream(c: Client, ids: list[int]) -> list[tuple[list[int], np.ndarray]]:
@@ -127,18 +125,14 @@ def test_pipeline_groups_take_turns_down_the_chain_and_stay_exact(
     want = [stream(client, [client.send("generate", None, {**args, "tokens": p})])[0]
             for p in prompts]  # fmt: skip
     common = ("--lanes", "4", "--ctx", "4096")
-    p1, e1, _ = start_worker(tmp_path, *common, "--layers", "9:18", name="g1")
-    p0, e0, _ = start_worker(
-        tmp_path, *common, "--layers", "0:9", "--next", e1, "--pipeline-groups", "2", name="g0"
-    )
-    try:
-        with Client(e0, timeout_ms=120_000) as head:
-            ids = [head.send("generate", None, {**args, "tokens": p}) for p in prompts]
-            got = stream(head, ids)
-            overlapped = head.stats()["overlapped_forwards"]
-    finally:
-        stop_worker(p0)
-        stop_worker(p1)
+    groups = ("--pipeline-groups", "2")
+    with (
+        start_chain(tmp_path, ["0:9", "9:18"], *common, head=groups, name="g") as (e0, _),
+        Client(e0, timeout_ms=120_000) as head,
+    ):
+        ids = [head.send("generate", None, {**args, "tokens": p}) for p in prompts]
+        got = stream(head, ids)
+        overlapped = head.stats()["overlapped_forwards"]
     assert overlapped > 0  # the groups were down the chain at once
     for (want_tokens, want_rows), (got_tokens, got_rows) in zip(want, got, strict=True):
         assert got_tokens == want_tokens
@@ -246,10 +240,7 @@ def test_a_session_moves_between_chains_and_continues_exactly(
 
 def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:
     args = ("--lanes", "2", "--ctx", "4096")
-    p2, e2, _ = start_worker(tmp_path, *args, "--layers", "12:18", name="t2")
-    p1, e1, _ = start_worker(tmp_path, *args, "--layers", "6:12", "--next", e2, name="t1")
-    p0, e0, _ = start_worker(tmp_path, *args, "--layers", "0:6", "--next", e1, name="t0")
-    try:
+    with start_chain(tmp_path, ["0:6", "6:12", "12:18"], *args, name="t") as (e0, _, e2):
         tokens = client.tokenize(PROMPT)
         want = greedy_run(client, "three_full", tokens, 8)
         with Client(e0, timeout_ms=120_000) as head:
@@ -261,9 +252,6 @@ def test_three_stages_are_exact(client: Client, tmp_path: Path) -> None:
         assert got[0] == want[0]
         assert float(np.max(np.abs(got[1] - want[1]))) == 0.0
         assert got_signals == _signals(client, "three_sig_full", tokens, 3)
-    finally:
-        for p in (p0, p1, p2):
-            stop_worker(p)
 
 
 def test_validate_catches_a_slice_without_the_window_fix(model_path: str, tmp_path: Path) -> None:
