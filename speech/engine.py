@@ -17,7 +17,6 @@ synthesized.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from typing import Any
 
 import onnxruntime  # type: ignore[import-untyped]
 from piper import PhonemeType, PiperConfig, PiperVoice, SynthesisConfig
+
+from edge.host import usable_cpus
 
 from .audio import Samples, concat
 
@@ -90,8 +91,9 @@ def resolve_voice_path(spec: str) -> Path:
 
 
 def default_threads() -> int:
-    """One intra-op thread per core, capped at 4 (more barely helps Piper)."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """One intra-op thread per core this process may use (affinity, a
+    container's CPU quota: edge/host.py), capped at 4 (more barely helps Piper)."""
+    return max(1, min(4, usable_cpus()))
 
 
 def session_options(threads: int) -> Any:

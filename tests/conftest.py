@@ -82,9 +82,10 @@ def send_and_get_cut_off(endpoint: str, *messages: list[bytes]) -> None:
 
 
 def start_worker(
-    tmp: Path, *args: str, name: str = "worker"
+    tmp: Path, *args: str, name: str = "worker", env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
-    """Start ``python -m worker.cli`` on an ipc endpoint; wait for ``ping``."""
+    """Start ``python -m worker.cli`` on an ipc endpoint (``env`` added to
+    this process's environment); wait for ``ping``."""
     endpoint = f"ipc://{tmp}/{name}.sock"
     log_path = tmp / f"{name}.log"
     log = log_path.open("wb")
@@ -104,7 +105,7 @@ def start_worker(
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ},
+        env={**os.environ, **(env or {})},
     )
     with Client(endpoint) as client:
         try:

@@ -89,7 +89,7 @@ def test_worker_settings_are_ones_the_worker_reads(monkeypatch: pytest.MonkeyPat
             monkeypatch.setenv(key, value)
         cfg = worker_config.parse([])
         assert cfg.bind == "tcp://0.0.0.0:5555"
-        assert (cfg.lanes, cfg.ctx, cfg.threads, cfg.metrics_port) == (4, 8192, 2, 9100)
+        assert (cfg.lanes, cfg.ctx, cfg.threads, cfg.metrics_port) == (4, 8192, 0, 9100)
         assert cfg.model == env["SKIFF_MODEL"]
 
 

@@ -24,9 +24,17 @@ from .models import resolve_model
 from .runtime import DraftRuntime
 from .service import LlmService
 
-# Stages share the cores with their neighbours: OpenMP threads must not spin
-# after a forward (see edge/memory.py for the measurement).
-STAGE_ENV = {"GOMP_SPINCOUNT": "1000"}
+# OpenMP threads must not spin long after a forward or at a barrier: a
+# worker shares its cores with the socket loop, a neighbouring stage, another
+# worker or the speech worker, and libgomp's default (300,000 spins, ~ms)
+# starves them (edge/memory.py, docs/deploy.md "Sharing a host" for the
+# measurements). An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+SPIN_ENV = {"GOMP_SPINCOUNT": "1000"}
+
+
+def spin_env() -> dict[str, str]:
+    """The OpenMP setting to restart with, unless the operator chose one."""
+    return {} if "OMP_WAIT_POLICY" in os.environ else dict(SPIN_ENV)
 
 
 def build_engine(
@@ -103,8 +111,7 @@ def raise_fd_limit() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a real process, not a call from Python
-        is_stage = "--layers" in sys.argv[1:] or bool(os.environ.get("SKIFF_LAYERS"))
-        reexec_with_tunables(STAGE_ENV if is_stage else None)
+        reexec_with_tunables(spin_env())
     cfg = config.parse(argv)
     raise_fd_limit()
     logs.configure(cfg.log_format, cfg.log_level)

@@ -11,9 +11,9 @@ import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from edge import flags
+from edge.host import memory_limit, usable_cpus
 from edge.logs import LOG_FORMATS
 from edge.zap import keys_from_flags
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, Curve
@@ -34,7 +34,7 @@ class WorkerConfig:
     ctx_per_lane: int = 0  # 0 = ctx // lanes
     batch: int = 512
     ubatch: int = 512
-    threads: int = 0  # 0 = all cores (of --cpus, when given)
+    threads: int = 0  # 0 = one per usable core (--cpus, affinity, CPU quota)
     cpus: str = ""  # cores the process runs on ("0", "2-3", "0,2"); "" = any
     repack: int = 0
     max_batch_tokens: int = 0  # 0 = batch
@@ -88,7 +88,10 @@ class WorkerConfig:
 
     @property
     def n_threads(self) -> int:
-        return self.threads or len(parse_cpus(self.cpus)) or (os.cpu_count() or 1)
+        """``--threads``, else one per core this process may use: ``--cpus``
+        when given, else its affinity capped by a container's CPU quota
+        (edge/host.py says why a visible core is not a usable one)."""
+        return self.threads or len(parse_cpus(self.cpus)) or usable_cpus()
 
     @property
     def n_ctx_per_lane(self) -> int:
@@ -107,7 +110,12 @@ _OPTIONS: list[tuple[str, type, str]] = [
     ("ctx-per-lane", int, "cells one lane may use; 0 = ctx / lanes (more = unified KV)"),
     ("batch", int, "n_batch: most tokens one llama_decode takes"),
     ("ubatch", int, "n_ubatch: physical micro-batch size"),
-    ("threads", int, "compute threads; 0 = all cores (of --cpus, when given)"),
+    (
+        "threads",
+        int,
+        "compute threads; 0 = one per core this process may use (--cpus, "
+        "affinity, a container's CPU quota)",
+    ),
     (
         "cpus",
         str,
@@ -328,19 +336,6 @@ def park_bytes(cfg: WorkerConfig) -> int:
     if cfg.park_bytes >= 0:
         return cfg.park_bytes
     return memory_limit() // 4
-
-
-def memory_limit() -> int:
-    """The cgroup v2 / v1 memory limit when one is set, else physical RAM."""
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) < ram:
-            return int(text)
-    return ram
 
 
 def curve_keys(cfg: WorkerConfig) -> Curve | None:

@@ -220,6 +220,8 @@ class LlmService:
             "n_batch": e.n_batch,
             "threads": self.cfg.n_threads,
             "cpus": sorted(os.sched_getaffinity(0)),  # the cores it may run on (--cpus)
+            # how long idle OpenMP threads spin (None: libgomp's default)
+            "omp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             "max_batch_tokens": self.cfg.budget,
             "prefill_chunk": self.cfg.prefill_chunk,
             "ops": sorted(self._handlers),
