@@ -44,6 +44,11 @@ def test_least_loaded_uses_the_queue_score_and_free_lanes() -> None:
     d = Candidate("d", running=2, free_lanes=0)
     assert least_loaded([d, c]) == "c"
     assert least_loaded([Candidate("y"), Candidate("x")]) == "x"
+    # full ties rotate with the turn; a lower score is never rotated away
+    tied = [Candidate("y"), Candidate("x"), Candidate("z", running=1)]
+    assert [least_loaded(tied, t) for t in range(4)] == ["x", "y", "x", "y"]
+    router = Router("least_loaded")
+    assert {router.choose(tied) for _ in range(4)} == {"x", "y"}
 
 
 def test_prompt_blocks_chain_on_shared_prefixes() -> None:
@@ -82,6 +87,13 @@ def test_cache_aware_prefers_the_prefix_holder_until_it_is_too_busy() -> None:
     assert router.choose(both, longer) == "b"
     # a prompt sharing nothing goes to the least loaded
     assert router.choose(busy_a, prompt_blocks({"tokens": list(range(500, 600))})) == "b"
+    # within the threshold but with no free lane, while b has one: b (no queueing)
+    full_a = [Candidate("a", running=4, free_lanes=0), Candidate("b", running=3, free_lanes=1)]
+    assert full_a[0].score <= full_a[1].score + 2
+    assert router.choose(full_a, again) == "b"
+    # when no worker has a free lane, the prefix holder may still take it
+    all_full = [Candidate("a", running=4), Candidate("b", running=4)]
+    assert router.choose(all_full, again) == "a"
     # by default a match shorter than 8 blocks (128 tokens: one prefill piece) does not count
     strict = Router("cache_aware")
     strict.index.insert("a", first)
