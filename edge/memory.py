@@ -1,4 +1,5 @@
-"""Transparent huge pages for large message buffers (glibc malloc tunable).
+"""Transparent huge pages for large message buffers (glibc malloc tunable),
+and giving freed heap pages back to the kernel.
 
 ZeroMQ allocates every received message with ``malloc``; a large one (a
 64 MiB tensor frame, a session's KV state) is a fresh ``mmap`` whose pages
@@ -19,10 +20,12 @@ computing on: per-hop latency ~14 -> ~4 ms, measured by bench_stages.py).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import cast
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 
@@ -46,3 +49,33 @@ def reexec_with_tunables(extra: Mapping[str, str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int], int]", fn)
+
+
+_TRIM = _malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the kernel (glibc ``malloc_trim``).
+
+    Why: a received frame (a stage's hidden rows, a session's KV state) is a
+    ``malloc`` of megabytes; once freed, glibc keeps the pages for reuse, and
+    a pipeline stage that prefilled 1,000 tokens held ~20 MiB of such free
+    heap for good (measured: ``scripts/bench_memory.py``). Each stage of a
+    chain pays it again, so it counted against a chain's memory. The edge
+    calls this only when the process has been idle for a housekeeping tick
+    after receiving messages: it takes well under a millisecond on a heap of
+    tens of MiB, and never runs between the turns of busy work.
+    Returns whether memory was released (False where glibc is absent)."""
+    return bool(_TRIM(0)) if _TRIM is not None else False

@@ -49,7 +49,7 @@ from faults import (
 from protocol import sockets, transport
 from protocol.envelope import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
 
-from . import logs, zap
+from . import logs, memory, zap
 from .service import Outgoing, Request, Service
 
 if TYPE_CHECKING:
@@ -117,6 +117,7 @@ class EdgeServer:
         self.peers_lost = 0
         self._stop = threading.Event()
         self._last_housekeeping = time.monotonic()
+        self._trimmed_at_requests = 0  # ``requests`` when the heap was last trimmed
         self._drain_deadline: float | None = None  # set by drain() (a signal handler)
         self._drain_begun = False
         self._cancelled_at: float | None = None
@@ -211,6 +212,9 @@ class EdgeServer:
                 self.service.housekeeping(now)
             except Exception:
                 _log.exception("housekeeping_crashed")
+            if self.requests != self._trimmed_at_requests and not self.service.has_work():
+                self._trimmed_at_requests = self.requests
+                memory.trim_heap()  # idle after traffic: freed frames go back to the kernel
 
     # -- receiving -------------------------------------------------------------
 

@@ -24,6 +24,7 @@ each of the three points.
 from __future__ import annotations
 
 import argparse
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -38,11 +39,24 @@ from protocol import Client  # noqa: E402
 MIB = 1 << 20
 TEXT = " ".join(f"Note {i}: the tide reached marker {i * 11 % 37} at noon." for i in range(400))
 
-CONFIGS: dict[str, list[str]] = {
-    "one worker": ["0:18"],
-    "2 stages": ["0:9", "9:18"],
-    "3 stages": ["0:6", "6:12", "12:18"],
-}
+
+def configs(n_layer: int) -> dict[str, list[str]]:
+    """One worker, halves, thirds (Gemma 3 270M's 18 layers: 0:9|9:18, 0:6|6:12|12:18)."""
+
+    def split(parts: int) -> list[str]:
+        cuts = [round(i * n_layer / parts) for i in range(parts + 1)]
+        return [f"{lo}:{hi}" for lo, hi in itertools.pairwise(cuts)]
+
+    return {"one worker": split(1), "2 stages": split(2), "3 stages": split(3)}
+
+
+def layer_count(model: str) -> int:
+    from worker.models import resolve_model
+    from worker.slice.ggufmeta import read_metadata
+
+    path = resolve_model(model)
+    arch = str(read_metadata(path, ["general.architecture"])["general.architecture"])
+    return int(str(read_metadata(path, [f"{arch}.block_count"])[f"{arch}.block_count"]))
 
 
 @dataclass
@@ -128,11 +142,12 @@ def main() -> None:
     common = ["--lanes", str(args.lanes), "--ctx", str(args.ctx), "--model", args.model]
     results: dict[str, list[tuple[str, list[Memory]]]] = {}
     with tempfile.TemporaryDirectory(prefix="skiff-memory-") as tmp_s:
-        for label, ranges in CONFIGS.items():
+        for label, ranges in configs(layer_count(args.model)).items():
             results[label] = run_config(Path(tmp_s), label, ranges, common, args.tokens)
     one = results["one worker"][0][1]
     print(
-        f"RSS in MiB per stage (model = .gguf pages mapped in, anon = anonymous memory); "
+        f"{args.model}: RSS in MiB per stage (model = .gguf pages mapped in, "
+        "anon = anonymous memory); "
         f"--lanes {args.lanes} --ctx {args.ctx}; at load, after a {args.tokens}-token "
         "prefill, after its first sampled token"
     )
