@@ -118,6 +118,11 @@ class EdgeServer:
         self._stop = threading.Event()
         self._last_housekeeping = time.monotonic()
         self._trimmed_at_requests = 0  # ``requests`` when the heap was last trimmed
+        # seconds per part of the loop since start (a worker's stats profile):
+        # waiting in poll, receiving + handling requests, the service's turns,
+        # sending replies, housekeeping
+        self.timing = {"poll": 0.0, "receive": 0.0, "turn": 0.0, "send": 0.0, "housekeeping": 0.0}
+        self.started = time.perf_counter()
         self._drain_deadline: float | None = None  # set by drain() (a signal handler)
         self._drain_begun = False
         self._cancelled_at: float | None = None
@@ -192,22 +197,33 @@ class EdgeServer:
 
     def run_once(self, poller: zmq.Poller) -> None:
         """One pass: wait (only when idle), drain, one service turn, housekeeping."""
+        timing = self.timing
+        t0 = time.perf_counter()
         busy = self.service.has_work()
         events = poller.poll(0 if busy else self.cfg.idle_poll_ms)
+        t1 = time.perf_counter()
+        timing["poll"] += t1 - t0
         if self.zap is not None:  # CURVE: handshakes are answered even when busy
             events = zap.split_events(self.zap, events)
         if events:
             self._drain()
+            t2 = time.perf_counter()
+            timing["receive"] += t2 - t1
+            t1 = t2
         if self.service.has_work():
             try:
                 out = self.service.turn()
             except Exception:  # a service bug must not end the process
                 _log.exception("turn_crashed")
                 out = []
+            t2 = time.perf_counter()
+            timing["turn"] += t2 - t1
             self.deliver(out)
+            timing["send"] += time.perf_counter() - t2
         now = time.monotonic()
         if now - self._last_housekeeping >= 1.0:
             self._last_housekeeping = now
+            t0 = time.perf_counter()
             try:
                 self.service.housekeeping(now)
             except Exception:
@@ -215,6 +231,7 @@ class EdgeServer:
             if self.requests != self._trimmed_at_requests and not self.service.has_work():
                 self._trimmed_at_requests = self.requests
                 memory.trim_heap()  # idle after traffic: freed frames go back to the kernel
+            timing["housekeeping"] += time.perf_counter() - t0
 
     # -- receiving -------------------------------------------------------------
 

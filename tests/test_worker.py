@@ -254,3 +254,21 @@ def test_stats_counts_lanes_and_tokens(client: Client) -> None:
     assert stats["uptime_s"] > 0
     assert client.drop("st") == {}
     assert client.stats()["lanes"]["active"] == stats["lanes"]["active"] - 1
+
+
+def test_stats_profile_says_where_the_time_went(client: Client) -> None:
+    """``profile``: seconds per part of the loop and of the turns, summing up."""
+    before = client.stats()["profile"]
+    client.prefill("prof", [2, 5, 6, 7])
+    client.decode("prof", 9)
+    after = client.stats()["profile"]
+    client.drop("prof")
+    turn = {k: after["turn"][k] - before["turn"][k] for k in after["turn"]}
+    loop = {k: after["loop"][k] - before["loop"][k] for k in after["loop"]}
+    assert after["forwards"] >= before["forwards"] + 2
+    assert turn["decode"] > 0 and turn["fill"] > 0 and turn["rows"] > 0 and turn["plan"] > 0
+    assert loop["turn"] > 0 and loop["receive"] > 0 and loop["send"] > 0
+    # the turn's parts happen inside the loop's turns, and the loop inside the wall clock
+    inside = turn["decode"] + turn["fill"] + turn["rows"] + turn["plan"] + turn["render"]
+    assert inside <= loop["turn"]
+    assert sum(loop.values()) <= after["wall_s"] - before["wall_s"]

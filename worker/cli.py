@@ -139,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.metrics_port:
             metrics = WorkerMetrics(edge_metrics.new_registry(), service)
         server = EdgeServer(edge_config(cfg), service, metrics=metrics.edge if metrics else None)
+        service.profile.loop = server.timing  # stats' profile shows the loop's parts too
         registry = metrics.registry if metrics is not None else None
         exporter = edge_metrics.start(registry, cfg.metrics_port, cfg.metrics_host)
     except Exception as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ from .core.speculative import DraftModel
 from .engine import Engine, LlamaGrammars
 from .engine.media import Projector
 from .handoff import Handoff
+from .profile import Profile
 from .runtime import RuntimeState
 from .runtime.park import Park
 from .runtime.report import runtime_stats
@@ -108,6 +110,7 @@ class LlmService:
         }
         self.requests = 0
         self.draining = False  # SIGTERM: finishing accepted work, refusing new
+        self.profile = Profile()  # stats' profile: where the loop's and turns' time goes
         self.hand = Handoff(self._held_sessions)  # SIGTERM: sessions to a claimer
 
     # -- what handlers use ---------------------------------------------------
@@ -142,7 +145,10 @@ class LlmService:
         if self.sched.has_work():
             self.sched.turn()
         notices, self.hand.notices = self.hand.notices, []
-        return notices + [render_or_fail(t, output) for t, output in self.outbox.take()]
+        t0 = time.perf_counter()
+        out = notices + [render_or_fail(t, output) for t, output in self.outbox.take()]
+        self.profile.render_s += time.perf_counter() - t0
+        return out
 
     def peer_lost(self, peer: bytes, reason: str) -> int:
         return self.sched.cancel_owner(peer)
@@ -262,6 +268,7 @@ class LlmService:
         out["requests"] = self.requests
         out["draining"] = self.draining
         out["process"] = process_stats.snapshot()  # RSS, Python objects: leaks vs settling
+        out["profile"] = self.profile.snapshot(self.rt, self.sched.stats)
         return out
 
 

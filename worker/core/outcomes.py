@@ -72,6 +72,10 @@ class SchedulerStats:
         self._queue_wait_s = 0.0
         self._queue_waits = 0
         self.observer: ForwardObserver | None = None
+        # seconds per part of a turn (stats' profile): planning (reap, admit,
+        # plan), completing jobs after a forward, a stage's launches and its
+        # waits for the chain
+        self.timing = {"plan": 0.0, "complete": 0.0, "launch": 0.0, "land_wait": 0.0}
 
     def record_forward(self, steps: Sequence[_StepLike], seconds: float) -> None:
         decode = sum(1 for s in steps if len(s.tokens) == 1 and s.sample)
@@ -215,7 +219,9 @@ class Outcomes:
             return
         finally:
             self.record(steps, time.perf_counter() - started)
+        done = time.perf_counter()
         self.complete(owners, results)
+        self.stats.timing["complete"] += time.perf_counter() - done
 
     def isolate(self, steps: list[Step], owners: list[tuple[Job, int]], exc: EngineFault) -> None:
         """A forward of several jobs failed in llama.cpp (say, an exhausted KV
@@ -319,7 +325,10 @@ class Outcomes:
         self.flying_jobs.update(job for job, _ in owners)
 
     def land(self, timeout_ms: int) -> None:
-        for flight in self.rt.land(timeout_ms):
+        t0 = time.perf_counter()
+        landed = self.rt.land(timeout_ms)
+        self.stats.timing["land_wait"] += time.perf_counter() - t0
+        for flight in landed:
             if isinstance(flight, Call):
                 self.answered(flight)
                 continue
@@ -332,7 +341,9 @@ class Outcomes:
                 for job, _ in flying.owners:
                     self.finish(job, flight.fault)
                 continue
+            done = time.perf_counter()
             self.complete(flying.owners, flight.results)
+            self.stats.timing["complete"] += time.perf_counter() - done
 
     def answered(self, call: Call) -> None:
         """A request down the chain came home: to the running job it is for

@@ -176,6 +176,7 @@ class Scheduler:
         self._turn += 1
         if self.outcomes.expecting:
             self.outcomes.land(0)
+        t0 = time.perf_counter()
         now = time.monotonic()
         self._reap(now)
         self._start_pending(now)
@@ -187,12 +188,16 @@ class Scheduler:
             self.outcomes.land(_LAND_WAIT_MS)  # out of credit, or decodes waiting to rejoin
             return
         steps, owners = self._plan(self._group_size(groups))
+        timing = self.stats.timing
+        timing["plan"] += time.perf_counter() - t0
         if not steps:
             if self.outcomes.expecting:
                 self.outcomes.land(_LAND_WAIT_MS)
             return
         if self.rt.chained:
+            t1 = time.perf_counter()
             self.outcomes.launch(steps, owners)
+            timing["launch"] += time.perf_counter() - t1
             return
         self.outcomes.run(steps, owners)
 

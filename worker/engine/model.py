@@ -31,6 +31,7 @@ Choices that matter:
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,8 @@ class Engine:
         self._embd_batch: Batch | None = None  # made on the first embeddings input
         self._last = self._batch  # the batch of the last decode (for output_index)
         self._hidden = False
+        # seconds spent filling batches and inside llama_decode (stats' profile)
+        self.timing = {"fill": 0.0, "decode": 0.0}
         # the model file's sha256, hashed once (in the background after prepare())
         self.digest = FileDigest(cfg.model_path)
         self._abort_fn: Any = None
@@ -250,13 +253,19 @@ class Engine:
         if embd and self._embd_batch is None:
             self._embd_batch = Batch(self.n_batch, self.n_seq, self.n_embd)
         batch = self._embd_batch if embd and self._embd_batch is not None else self._batch
+        t0 = time.perf_counter()
         n = batch.fill(segments)
         self._last = batch
         if n == 0:
             return DecodeStatus(0)
         if self.tap is not None:
             self.tap.reset()
-        return DecodeStatus(int(ll.llama_decode(self._ctx, batch.raw)))
+        t1 = time.perf_counter()
+        status = int(ll.llama_decode(self._ctx, batch.raw))
+        timing = self.timing
+        timing["fill"] += t1 - t0
+        timing["decode"] += time.perf_counter() - t1
+        return DecodeStatus(status)
 
     def take_taps(self) -> dict[int, np.ndarray]:
         """The layer outputs the tap captured during the last decode."""

@@ -79,6 +79,7 @@ class RuntimeState:
         self.ctx_per_lane = engine.n_ctx_per_seq
         self.tokens_evaluated = 0
         self.forwards = 0
+        self.rows_s = 0.0  # seconds turning forwards into rows: logits, samples (profile)
         self.prefix = PrefixStats()
         self.started = time.monotonic()
 
@@ -373,6 +374,7 @@ class RuntimeState:
             session.last_used = time.monotonic()
             self.tokens_evaluated += len(step.tokens)
         results: list[StepResult] = []
+        t0 = time.perf_counter()
         for index, step in enumerate(steps):
             result = StepResult()
             try:
@@ -380,6 +382,7 @@ class RuntimeState:
             except BadRequest as exc:
                 result.error = exc
             results.append(result)
+        self.rows_s += time.perf_counter() - t0  # reading logits, sampling, outputs
         for step in steps:
             self.check_position(step.session)
         return results
