@@ -9,16 +9,16 @@ non-spinning threads measured RTF ~0.065-0.075 against ~0.09-0.11 for one;
 spinning was sometimes a little faster but up to 0.17 whenever anything else
 (a second worker, the socket loop) wanted a core.
 
-Synthesis is split into sentence-sized chunks so the server can answer ping
-and cancel between chunks and stream the first sentence before the rest is
-synthesized.
+Synthesis is split into chunks so the server can answer ping and cancel
+between chunks and stream the first clause before the rest is synthesized
+(``split_sentences``: the pacing of the chunks).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,16 @@ PACKAGED_VOICE_ALIAS = "joe"
 # models on first use, which this worker must never do.
 _OFFLINE_PHONEMES = {PhonemeType.ESPEAK, PhonemeType.TEXT}
 
-# Chunking: a chunk is at most MAX_CHUNK_CHARS so one loop turn stays short;
-# a long first sentence is cut at its first clause so audio starts early.
+# Chunking (``split_sentences``): the first chunk is the first clause, at
+# most FIRST_CHUNK_CHARS, because time to first audio is the synthesis time of
+# that chunk (~40 ms + ~6 ms a character on 2 cores). Each next chunk may be
+# twice as long as the one before, up to MAX_CHUNK_CHARS, so it is ready before
+# the audio ahead of it has played (synthesis runs >10x faster than real time)
+# while most sentences stay whole, which keeps their prosody. A clause shorter
+# than _MIN_CLAUSE_CHARS ("Well,") is never a chunk of its own.
 MAX_CHUNK_CHARS = 200
-FIRST_CHUNK_CHARS = 80
-_MIN_CLAUSE_CHARS = 15
+FIRST_CHUNK_CHARS = 50
+_MIN_CLAUSE_CHARS = 12
 
 _BOUNDARY = re.compile(r"[.!?\u2026]+[\"'\u201d\u2019)\]]*(?=\s)|\n\s*\n")
 _CLAUSE = re.compile(r"[,;:\u2014]\s")
@@ -142,13 +147,16 @@ def split_sentences(
     max_chars: int = MAX_CHUNK_CHARS,
     first_chars: int = FIRST_CHUNK_CHARS,
 ) -> list[str]:
-    """Split ``text`` into sentence-sized chunks, in order, none empty.
+    """Split ``text`` into chunks to synthesize in order, none empty.
 
     Sentences end at ``. ! ? …`` followed by whitespace (not after common
-    abbreviations) or at a blank line. Over-long sentences are cut at a clause
-    or a space so no chunk exceeds ``max_chars``; a first sentence longer
-    than ``first_chars`` is cut at its first clause to shorten time to first
-    audio.
+    abbreviations) or at a blank line. The first chunk is the first clause
+    (cut after ``, ; : —``) of at least ``_MIN_CLAUSE_CHARS`` and at most
+    ``first_chars`` characters, else the first ``first_chars`` cut at a space;
+    then each chunk's budget doubles up to ``max_chars``: a sentence that fits
+    its budget stays whole, a longer one is cut at its last clause (or space)
+    within it. Whitespace is normalised; joined with spaces, the chunks are
+    the text.
     """
     sentences: list[str] = []
     start = 0
@@ -161,28 +169,42 @@ def split_sentences(
         sentences.append(piece)
         start = end
     sentences.append(text[start:])
-    chunks = [c for s in sentences for c in _cut(" ".join(s.split()), max_chars)]
-    if chunks and len(chunks[0]) > first_chars:
-        head = _CLAUSE.search(chunks[0], _MIN_CLAUSE_CHARS)
-        if head is not None and len(chunks[0]) - head.end() >= _MIN_CLAUSE_CHARS:
-            chunks[0:1] = [chunks[0][: head.start() + 1], chunks[0][head.end() :]]
+    chunks: list[str] = []
+    budget = max(1, min(first_chars, max_chars))
+    for sentence in sentences:
+        rest = " ".join(sentence.split())
+        while rest:
+            piece, rest = _head(rest, budget, first=not chunks)
+            chunks.append(piece)
+            budget = min(max_chars, 2 * budget)
     return chunks
 
 
-def _cut(sentence: str, max_chars: int) -> Iterable[str]:
-    """Cut one whitespace-normalised sentence into pieces of <= max_chars."""
-    rest = sentence
-    while len(rest) > max_chars:
-        window = rest[: max_chars + 1]
-        cut = max((m.start() + 1 for m in _CLAUSE.finditer(window)), default=-1)
-        if cut < _MIN_CLAUSE_CHARS:
-            cut = window.rfind(" ")
-        if cut <= 0:
-            cut = max_chars
-        yield rest[:cut].strip()
-        rest = rest[cut:].strip()
-    if rest:
-        yield rest
+def _head(sentence: str, budget: int, *, first: bool) -> tuple[str, str]:
+    """(the next chunk, what is left) of one whitespace-normalised sentence."""
+    if first:  # the first clause, even when the whole sentence would fit
+        for m in _CLAUSE.finditer(sentence, _MIN_CLAUSE_CHARS - 1):
+            if m.start() + 1 > budget or len(sentence) - m.end() < _MIN_CLAUSE_CHARS:
+                break
+            return sentence[: m.start() + 1], sentence[m.end() :]
+    if len(sentence) <= budget:
+        return sentence, ""
+    window = sentence[: budget + 1]
+    cut = max((m.start() + 1 for m in _CLAUSE.finditer(window)), default=-1)
+    if cut < _MIN_CLAUSE_CHARS:
+        cut = window.rfind(" ")
+    if cut <= 0:
+        cut = budget
+    return sentence[:cut].strip(), sentence[cut:].strip()
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    """One chunk's audio and the phoneme ids the voice model read for it
+    (Piper's input tokens: what ``usage`` counts over HTTP)."""
+
+    samples: Samples
+    phonemes: int
 
 
 class Engine:
@@ -212,12 +234,13 @@ class Engine:
         for name in self.voices:
             self.synthesize(name, "Ready.")
 
-    def synthesize(self, voice: str | None, text: str, speed: float = 1.0) -> Samples:
+    def synthesize(self, voice: str | None, text: str, speed: float = 1.0) -> Synthesis:
         """Synthesize one chunk to int16 mono samples at the voice's rate.
 
         ``speed`` > 1 speaks faster (it divides the voice's length scale).
         """
         piper = self.voice(voice).piper
         config = SynthesisConfig(length_scale=piper.config.length_scale / speed)
-        parts = [chunk.audio_int16_array for chunk in piper.synthesize(text, syn_config=config)]
-        return concat(parts)
+        chunks = list(piper.synthesize(text, syn_config=config))
+        samples = concat([chunk.audio_int16_array for chunk in chunks])
+        return Synthesis(samples, sum(len(chunk.phoneme_ids) for chunk in chunks))

@@ -39,6 +39,7 @@ class Job:
     next_chunk: int = 0
     seq: int = 0
     samples: int = 0
+    phonemes: int = 0
     parts: list[audio.Samples] = field(default_factory=list)
     started: float | None = None
     first_audio: float | None = None

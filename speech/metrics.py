@@ -41,6 +41,7 @@ class SpeechCollector(Collector):
             ("skiff_speech_cancelled", "Synthesize requests cancelled.", c.cancelled),
             ("skiff_speech_rejected", "Synthesize requests refused with queue_full.", c.rejected),
             ("skiff_speech_dropped", "Jobs dropped because their peer went away.", c.dropped),
+            ("skiff_speech_chunks", "Text chunks synthesized (clauses, sentences).", c.chunks),
         ]
         for name, text, value in counters:
             yield CounterMetricFamily(name, text, value=value)

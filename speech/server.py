@@ -3,8 +3,10 @@
 It runs on the same ``EdgeServer`` as the LLM worker. Each pass drains every
 waiting request without blocking (ping, info, stats and cancel are answered
 on the spot; synthesize is checked into a ``Job``, ``speech/jobs.py``, and
-queued), then synthesizes at most one sentence chunk of the running job. So
-ping and cancel wait at most one chunk, never a whole text.
+queued), then synthesizes at most one chunk of the running job (the first
+clause first: ``engine.split_sentences``) and sends its audio at the end of
+that turn. So ping and cancel wait at most one chunk, never a whole text,
+and a client hears the first clause while the rest is being made.
 
 Cancellation: ``cancel {"id": N}`` answers ``{"cancelled": true}`` when
 request N of the same peer was queued or running; that request then ends
@@ -52,6 +54,7 @@ class Counters:
     errors: int = 0
     dropped: int = 0
     requests: int = 0
+    chunks: int = 0
     audio_seconds: float = 0.0
     synth_seconds: float = 0.0
 
@@ -181,6 +184,7 @@ class SpeechService:
             "errors": c.errors,
             "dropped": c.dropped,
             "requests": c.requests,
+            "chunks": c.chunks,
             "audio_seconds": round(c.audio_seconds, 3),
             "synth_seconds": round(c.synth_seconds, 3),
             "rtf": round(c.synth_seconds / c.audio_seconds, 4) if c.audio_seconds else None,
@@ -252,9 +256,12 @@ class SpeechService:
     def _synth_chunk(self, job: Job) -> None:
         chunk = job.chunks[job.next_chunk]
         t0 = time.monotonic()
-        samples = self.engine.synthesize(job.voice, chunk, job.speed)
+        made = self.engine.synthesize(job.voice, chunk, job.speed)
+        samples = made.samples
         elapsed = time.monotonic() - t0
         job.next_chunk += 1
+        job.phonemes += made.phonemes
+        self.counters.chunks += 1
         rate = self.engine.voice(job.voice).sample_rate
         self.counters.synth_seconds += elapsed
         self.counters.audio_seconds += len(samples) / rate
@@ -269,7 +276,7 @@ class SpeechService:
         if not job.stream:
             job.parts.append(samples)
             return
-        event = {"event": "audio", "seq": job.seq, "samples": len(samples)}
+        event = {"event": "audio", "seq": job.seq, "samples": len(samples), "sample_rate": rate}
         job.seq += 1
         self._send(job.peer, event_reply(job.req_id, event), [audio.pcm_buffer(samples)])
 
@@ -284,6 +291,7 @@ class SpeechService:
             "sample_count": job.samples,
             "duration_ms": round(audio.duration_ms(job.samples, rate), 1),
             "chunks": len(job.chunks),
+            "phonemes": job.phonemes,
             "timings": {
                 "queue_ms": round(1000 * ((job.started or now) - job.received), 1),
                 "first_audio_ms": round(1000 * (first - job.received), 1),

@@ -13,12 +13,8 @@ from __future__ import annotations
 
 import base64
 import http.client
-import io
 import json
-import subprocess
-import sys
 import threading
-import wave
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +28,6 @@ from openai.types.chat import ChatCompletionMessageParam
 from conftest import WAIT_S, wait_until
 from gateway.openai.errors import ApiError, from_fault
 from gateway.openai.http import HttpFront
-from gateway.openai.media import speech_args
 from gateway.openai.shapes import plan_chat, plan_completion
 from protocol import Client, transport
 from protocol.envelope import error_reply, fault_of
@@ -457,61 +452,6 @@ def test_openai_fields_map_to_skiff_args() -> None:
         with pytest.raises(ApiError) as err:
             plan_chat({"model": "m", "messages": CHAT, **body}, "m", None)
         assert err.value.status == 400 and err.value.param in body
-
-
-def test_speech_args_shape() -> None:
-    args, fmt = speech_args({"model": "tts-1", "input": "Hi.", "voice": "alloy"})
-    assert fmt == "wav" and args == {"text": "Hi.", "format": "wav"}  # stock voice: default
-    args, fmt = speech_args(
-        {"model": "x", "input": "Hi.", "voice": "en_US-joe-medium", "response_format": "pcm"}
-    )
-    assert fmt == "pcm" and args["format"] == "pcm_s16le" and args["voice"] == "en_US-joe-medium"
-    for bad in ({"response_format": "mp3"}, {"speed": 9}, {"input": ""}):
-        with pytest.raises(ApiError) as err:
-            speech_args({"model": "x", "input": "Hi.", "voice": "alloy", **bad})
-        assert err.value.status == 400
-
-
-# -- speech against the real speech worker ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def speech_front(
-    worker: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[HttpFront]:
-    tmp = tmp_path_factory.mktemp("speech")
-    endpoint = f"ipc://{tmp}/speech.sock"
-    log = (tmp / "speech.log").open("wb")
-    cmd = [sys.executable, "-m", "speech.cli", "--bind", endpoint, "--threads", "1"]
-    proc = subprocess.Popen([*cmd, "--log-format", "json"], cwd=ROOT, stderr=log)
-    with Client(endpoint) as probe:
-        probe.wait_ready(90, alive=lambda: proc.poll() is None)
-    http_front = HttpFront(worker[0], speech_upstream=endpoint)
-    http_front.start("127.0.0.1", 0)
-    yield http_front
-    http_front.stop()
-    proc.terminate()
-    proc.wait(WAIT_S)
-
-
-def test_audio_speech_wav_and_pcm(speech_front: HttpFront) -> None:
-    oai = _client(speech_front)
-    wav = oai.audio.speech.create(
-        model="tts-1", voice="alloy", input="Hello there.", response_format="wav"
-    )
-    assert wav.response.headers["Content-Type"] == "audio/wav"
-    with wave.open(io.BytesIO(wav.content)) as clip:
-        assert clip.getframerate() == 22050 and clip.getnchannels() == 1
-        assert clip.getnframes() > 22050 // 4  # a quarter second at least
-    with oai.audio.speech.with_streaming_response.create(
-        model="tts-1", voice="alloy", input="Hello there. Goodbye now.", response_format="pcm"
-    ) as pcm:
-        assert pcm.headers["Content-Type"] == "audio/pcm"
-        assert pcm.headers["X-Sample-Rate"] == "22050"
-        audio = b"".join(pcm.iter_bytes())
-    assert len(audio) % 2 == 0 and len(audio) > 22050  # s16le, over half a second
-    with pytest.raises(openai.BadRequestError):
-        oai.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="mp3")
 
 
 @pytest.mark.parametrize(

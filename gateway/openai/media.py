@@ -6,18 +6,22 @@ them (not normalised: cosine similarity does not care, dot products do).
 sends it. A list input runs as concurrent ``embed`` requests, a few at a
 time, so one large batch cannot fill the worker's admission queue by itself.
 
-Speech maps to the speech worker: ``wav`` is one non-streamed ``synthesize``
-(a complete RIFF file); ``pcm`` streams raw s16le mono sentence by sentence
-as the worker produces it (the lowest time to first audio), with the sample
-rate in ``X-Sample-Rate`` because raw PCM does not carry it. OpenAI's stock
-voice names (``alloy``...) select the worker's default voice; a worker voice
-name selects that voice.
+Speech maps to a streamed ``synthesize`` on the speech worker (``Speech``):
+``pcm`` is raw s16le mono, ``wav`` the same behind a streaming WAV header;
+either is written as the worker makes it (first clause first), raw or as
+server-sent ``speech.audio.delta`` events (``stream_format: sse``), with the
+sample rate in ``X-Sample-Rate`` because raw PCM does not carry it. OpenAI's
+stock voice names (``alloy``...) select the worker's default voice; a worker
+voice name selects that voice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import struct
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,7 +54,8 @@ OPENAI_VOICES = frozenset(
         "cedar",
     ]
 )
-SPEECH_FORMATS = {"wav": ("wav", "audio/wav"), "pcm": ("pcm_s16le", "audio/pcm")}
+SPEECH_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}  # response_format -> Content-Type
+UNKNOWN_SIZE = 0xFFFFFFFF
 
 
 def _embed_inputs(value: Any) -> list[dict[str, Any]]:
@@ -112,14 +117,24 @@ async def embeddings(up: Upstream, body: dict[str, Any], model_name: str) -> dic
     }
 
 
-def speech_args(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """(synthesize args, OpenAI response_format) for a ``/v1/audio/speech`` body."""
+@dataclass(frozen=True)
+class SpeechPlan:
+    """What one ``/v1/audio/speech`` body asks: streamed ``synthesize`` args,
+    the OpenAI ``response_format`` and whether the stream is server-sent events."""
+
+    args: dict[str, Any]
+    fmt: str  # "wav" or "pcm"
+    sse: bool
+
+
+def speech_plan(body: dict[str, Any]) -> SpeechPlan:
+    """Check a ``/v1/audio/speech`` body (400 naming the field) into a plan."""
     if not isinstance(body.get("model"), str):
         raise bad("model is required (a string)", "model")
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise bad("input must be a non-empty string", "input")
-    args: dict[str, Any] = {"text": text}
+    args: dict[str, Any] = {"text": text, "stream": True}
     voice = body.get("voice")
     if isinstance(voice, dict):  # {"id": ...}: a custom voice reference
         voice = voice.get("id")
@@ -128,7 +143,7 @@ def speech_args(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if voice not in OPENAI_VOICES:
         args["voice"] = voice  # the worker answers bad_request for a name it lacks
     fmt = body.get("response_format") or "wav"
-    if fmt not in SPEECH_FORMATS:
+    if fmt not in SPEECH_TYPES:
         raise bad(
             f"response_format {str(fmt)[:16]!r} is not supported; use 'wav' or 'pcm'",
             "response_format",
@@ -140,60 +155,92 @@ def speech_args(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
         if not 0.25 <= speed <= 4.0:
             raise bad("speed must be between 0.25 and 4.0", "speed")
         args["speed"] = float(speed)
-    if body.get("stream_format") not in (None, "audio"):
-        raise bad("stream_format: only 'audio' is supported", "stream_format")
-    args["format"] = SPEECH_FORMATS[fmt][0]
-    return args, fmt
+    stream_format = body.get("stream_format") or "audio"
+    if stream_format not in ("audio", "sse"):
+        raise bad("stream_format must be 'audio' or 'sse'", "stream_format")
+    return SpeechPlan(args, str(fmt), stream_format == "sse")
+
+
+def wav_stream_header(rate: int) -> bytes:
+    """A RIFF/WAVE header for mono s16le of unknown length: both sizes are
+    0xFFFFFFFF, as OpenAI streams WAV (readers stop at the end of the data)."""
+    return struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        *(b"RIFF", UNKNOWN_SIZE, b"WAVE", b"fmt ", 16, 1, 1, rate, 2 * rate, 2, 16),
+        *(b"data", UNKNOWN_SIZE),
+    )
+
+
+def speech_usage(done: dict[str, Any]) -> dict[str, int]:
+    """``speech.audio.done``'s usage. Piper's input tokens are the phoneme ids
+    its voice model read; it writes samples directly, so no output tokens."""
+    phonemes = int(done.get("phonemes", 0) or 0)
+    return {"input_tokens": phonemes, "output_tokens": 0, "total_tokens": phonemes}
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
 class Speech:
-    """The speech endpoint over one upstream (the speech worker or the gateway)."""
+    """The speech endpoint over one upstream (the speech worker or the gateway).
+
+    Every request is a streamed ``synthesize``: the worker sends the first
+    clause's audio as soon as it is made, and each chunk is written to the
+    client as it arrives, raw (``stream_format: audio``, chunked transfer) or
+    as ``speech.audio.delta`` events (``sse``). The first reply is awaited
+    before the status line, so a refusal keeps its HTTP status. The sample
+    rate comes with the first audio event. A client that goes away cancels
+    the synthesis (``Upstream.release``): the worker stops before its next chunk.
+    """
 
     def __init__(self, up: Upstream) -> None:
         self.up = up
-        self._rates: dict[str, int] = {}  # voice -> sample rate, from ``info``
-        self._default_rate = 0
-
-    async def _rate(self, voice: str | None) -> int:
-        if not self._default_rate:
-            info = (await self.up.call("info")).result
-            self._default_rate = int(info.get("sample_rate", 0))
-            details = info.get("voice_details") or []
-            self._rates = {str(d["name"]): int(d["sample_rate"]) for d in details}
-            default = info.get("default_voice")
-            if isinstance(default, str) and default in self._rates:
-                self._default_rate = self._rates[default]
-        return self._rates.get(voice or "", self._default_rate)
 
     async def handle(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        args, fmt = speech_args(body)
+        plan = speech_plan(body)
         self.up.check_up()
-        if fmt == "wav":
-            reply = await self.up.call("synthesize", args)
-            audio = reply.buffers[0] if reply.buffers else memoryview(b"")
-            return web.Response(body=audio, content_type="audio/wav")
-        rate = await self._rate(args.get("voice"))
-        pending = self.up.open("synthesize", {**args, "stream": True})
+        pending = self.up.open("synthesize", plan.args)
         try:
             reply = await self.up.next(pending)  # errors still become an HTTP status
-            headers = {"Content-Type": "audio/pcm", "X-Sample-Rate": str(rate)}
+            rate = int(reply.header.get("sample_rate") or 0)
+            kind = "text/event-stream" if plan.sse else SPEECH_TYPES[plan.fmt]
+            headers = {"Content-Type": kind, "X-Sample-Rate": str(rate)}
+            if plan.sse:
+                headers["Cache-Control"] = "no-cache"
             response = web.StreamResponse(headers=headers)
             await response.prepare(request)
+            head = wav_stream_header(rate) if plan.fmt == "wav" else b""
             try:
                 while True:
                     for buffer in reply.buffers:
-                        await response.write(buffer)
+                        data = head + bytes(buffer) if head else buffer
+                        head = b""
+                        await response.write(_delta(data) if plan.sse else data)
                     if reply.done:
                         break
                     reply = await self.up.next(pending)
             except ApiError as exc:
-                # Too late for a status, and raw PCM has no error frame: cut the
-                # connection so the client sees a truncated body, not a short clip.
                 log.warning("speech_stream_error", code=exc.code, message=exc.message)
-                if request.transport is not None:
+                if plan.sse:  # too late for a status: an error event, then the end
+                    await response.write(_event({"type": "error", **exc.body()}))
+                    await response.write_eof()
+                # Raw audio has no error frame: cut the connection so the client
+                # sees a truncated body, not a short clip.
+                elif request.transport is not None:
                     request.transport.close()
                 return response
+            if head:  # no audio at all (nothing to speak): still a WAV stream
+                await response.write(_delta(head) if plan.sse else head)
+            if plan.sse:
+                done = {"type": "speech.audio.done", "usage": speech_usage(reply.header)}
+                await response.write(_event(done))
             await response.write_eof()
             return response
         finally:
             self.up.release(pending)
+
+
+def _delta(data: bytes | memoryview) -> bytes:
+    audio = base64.b64encode(data).decode("ascii")
+    return _event({"type": "speech.audio.delta", "audio": audio})
