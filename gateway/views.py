@@ -41,8 +41,23 @@ def gateway_info(svc: Host) -> dict[str, Any]:
         "workers_up": sum(w.up for w in llm),
         "speech": [w.name for w in speech],
         "speech_up": sum(w.up for w in speech),
+        "models": [_model_of(w) for w in llm if w.info],
     }
     return out
+
+
+def _model_of(w: WorkerConn) -> dict[str, Any]:
+    """What each LLM worker serves (its ``info`` when it came up), for ``/v1/models``."""
+    info = w.info or {}
+    model = info.get("model") if isinstance(info.get("model"), dict) else {}
+    assert isinstance(model, dict)
+    return {
+        "worker": w.name,
+        "up": w.up,
+        "name": model.get("name"),
+        "n_ctx_per_lane": info.get("n_ctx_per_lane"),
+        "n_ctx_train": model.get("n_ctx_train"),
+    }
 
 
 def gateway_stats(svc: Host) -> dict[str, Any]:

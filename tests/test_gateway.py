@@ -509,6 +509,10 @@ def test_ping_info_stats_are_answered_by_the_gateway(cluster: Cluster) -> None:
         assert c.ping() == {"pong": True}
     assert info["model"]["name"] == "fake" and "gateway_drain" in info["ops"]
     assert info["gateway"]["workers_up"] == 2
+    models = info["gateway"]["models"]  # each worker's own model, for /v1/models
+    assert [(m["worker"], m["name"], m["up"]) for m in models] == [
+        (f.endpoint, "fake", True) for f in cluster.fakes
+    ]
     assert stats["gateway"] is True and stats["lanes"]["total"] == 8
     assert [len(f.ops("info")) for f in cluster.fakes] == before  # from the cache
 

@@ -233,15 +233,48 @@ def test_embeddings_float_and_base64(oai: openai.OpenAI) -> None:
     assert np.allclose(vector, out.data[0].embedding)
 
 
-def test_models_lists_one_model(oai: openai.OpenAI) -> None:
+def test_embeddings_are_the_documented_pooling(
+    oai: openai.OpenAI, worker: tuple[str, Path]
+) -> None:
+    with Client(worker[0]) as skiff:
+        reply = skiff.call("embed", None, {"text": "hello world", "pooling": "none"})
+    hidden = np.asarray(reply.frame.array("hidden"), dtype=np.float64)  # [tokens, n_embd]
+    mean = oai.embeddings.create(model="skiff", input="hello world")
+    assert mean.model_dump()["pooling"] == "mean"
+    assert mean.usage.prompt_tokens == mean.usage.total_tokens == hidden.shape[0]
+    assert np.allclose(mean.data[0].embedding, hidden.mean(axis=0), rtol=1e-4, atol=1e-5)
+    last = oai.embeddings.create(model="skiff", input="hello world", extra_body={"pooling": "last"})
+    assert last.model_dump()["pooling"] == "last"
+    assert np.allclose(last.data[0].embedding, hidden[-1], rtol=1e-4, atol=1e-5)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.embeddings.create(model="skiff", input="hi", extra_body={"pooling": "cls"})
+    assert err.value.body["param"] == "pooling"  # type: ignore[index]
+
+
+def test_models_list_the_served_name_then_the_real_model(
+    oai: openai.OpenAI, worker: tuple[str, Path]
+) -> None:
+    with Client(worker[0]) as skiff:
+        info = skiff.info()
+    name = info["model"]["name"]
     models = oai.models.list().data
-    assert [m.id for m in models] == ["skiff"]
-    extra = models[0].model_dump()
-    assert extra["max_model_len"] == 2048 and extra["skiff"]["model"]["n_embd"] == 640
-    assert "path" not in extra["skiff"]["model"]
+    assert [m.id for m in models] == ["skiff", name]
+    served, real = (m.model_dump() for m in models)
+    assert served["context_length"] == served["max_model_len"] == info["n_ctx_per_lane"] == 2048
+    assert served["root"] == name and served["skiff"]["model"]["n_embd"] == 640
+    assert "path" not in served["skiff"]["model"]
+    assert real["context_length"] == 2048 and real["owned_by"] == "skiff"
+    assert real["skiff"]["n_ctx_train"] == info["model"]["n_ctx_train"]
     assert oai.models.retrieve("skiff").id == "skiff"
+    assert oai.models.retrieve(name).model_dump()["context_length"] == 2048
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("gpt-4")
+    # the real name is a model every worker serves: requests may use it
+    out = oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
 def test_health_follows_ready(worker: tuple[str, Path]) -> None:

@@ -9,8 +9,9 @@ Endpoints: ``POST /v1/completions`` (``generate``), ``POST
 /v1/chat/completions`` (``chat``: the worker renders its chat template),
 ``POST /v1/embeddings`` (``embed``), ``POST /v1/audio/speech``
 (``synthesize`` on ``speech_upstream``, else on ``upstream``), ``GET
-/v1/models``, ``GET /health``. Field mapping: ``shapes``; responses:
-``render``; error statuses: ``errors``.
+/v1/models`` (``models``: the served name, then each worker's real model,
+also accepted in requests when every worker serves it), ``GET /health``.
+Field mapping: ``shapes``; responses: ``render``; error statuses: ``errors``.
 
 Streams are server-sent events ending in ``data: [DONE]``. The first upstream
 reply is awaited before any byte is sent, so a refused request (bad argument,
@@ -33,6 +34,7 @@ from aiohttp import web
 from edge.logs import get_logger
 from protocol.sockets import Curve
 
+from . import models
 from .errors import ApiError, bad, not_found
 from .media import Speech, embeddings
 from .render import Shaper, finish_reason, tokens_of
@@ -123,6 +125,7 @@ class HttpFront:
         self._speech: Speech | None = None
         self._upstreams: list[Upstream] = []
         self._ctx_per_lane: int | None = None
+        self._aliases: frozenset[str] = frozenset()  # real model names requests may use
 
     # -- lifecycle (called from any thread) -----------------------------------------
 
@@ -233,34 +236,36 @@ class HttpFront:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable"}, status=503)
 
-    def _model_entry(self, info: dict[str, Any]) -> dict[str, Any]:
-        model = info.get("model") if isinstance(info.get("model"), dict) else {}
-        assert isinstance(model, dict)
-        public = {k: v for k, v in model.items() if k != "path"}  # no server paths
-        skiff = {k: info.get(k) for k in ("lanes", "n_ctx", "n_ctx_per_lane", "chat_template")}
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "skiff",
-            "root": model.get("name"),
-            "max_model_len": info.get("n_ctx_per_lane"),
-            "skiff": {"model": public, **skiff},
-        }
-
     async def _models(self, request: web.Request) -> web.StreamResponse:
         info = (await self._upstream.call("info")).result
-        return web.json_response({"object": "list", "data": [self._model_entry(info)]})
+        self._aliases = models.aliases(info, self.model_name)
+        data = models.listing(info, self.model_name, self.created)
+        return web.json_response({"object": "list", "data": data})
 
     async def _model(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["model"]
-        if name != self.model_name:
-            raise not_found(f"The model '{name[:128]}' does not exist", "model_not_found", "model")
         info = (await self._upstream.call("info")).result
-        return web.json_response(self._model_entry(info))
+        for entry in models.listing(info, self.model_name, self.created):
+            if entry["id"] == name:
+                return web.json_response(entry)
+        raise not_found(f"The model '{name[:128]}' does not exist", "model_not_found", "model")
+
+    async def _served(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body with a worker's real model name (one every worker serves,
+        ``models.aliases``) replaced by the served name; others unchanged."""
+        name = body.get("model")
+        if not isinstance(name, str) or name == self.model_name:
+            return body
+        if name not in self._aliases:  # learn the workers' model (a miss is rare)
+            try:
+                info = (await self._upstream.call("info")).result
+                self._aliases = models.aliases(info, self.model_name)
+            except ApiError:
+                return body  # the model check answers, as with no alias
+        return {**body, "model": self.model_name} if name in self._aliases else body
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await self._served(await _json_body(request))
         return web.json_response(await embeddings(self._upstream, body, self.model_name))
 
     async def _audio_speech(self, request: web.Request) -> web.StreamResponse:
@@ -280,11 +285,11 @@ class HttpFront:
         return self._ctx_per_lane
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        plan = plan_completion(await _json_body(request), self.model_name)
+        plan = plan_completion(await self._served(await _json_body(request)), self.model_name)
         return await self._generate(request, plan)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await self._served(await _json_body(request))
         plan = plan_chat(body, self.model_name, await self._default_max_tokens())
         return await self._generate(request, plan)
 

@@ -1,7 +1,10 @@
 """``/v1/embeddings`` (skiff ``embed``) and ``/v1/audio/speech`` (``synthesize``).
 
-Embeddings are mean-pooled final hidden states, as skiff's ``embed`` gives
-them (not normalised: cosine similarity does not care, dot products do).
+Embeddings are the mean of the prompt's final hidden states (skiff's
+``embed`` with ``pooling: mean``; ``pooling: "last"``, a skiff extension,
+takes the last token's instead, as decoder-only embedding models are
+trained), not normalised: cosine similarity does not care, dot products do.
+The response names the pooling it used (``pooling``, beside OpenAI's fields).
 ``encoding_format: base64`` is the little-endian float32 bytes, as OpenAI
 sends it. A list input runs as concurrent ``embed`` requests, a few at a
 time, so one large batch cannot fill the worker's admission queue by itself.
@@ -36,6 +39,7 @@ from .upstream import Upstream
 log = get_logger("gateway.http")
 
 EMBED_CONCURRENCY = 4
+POOLINGS = ("mean", "last")  # skiff embed poolings that give one vector per input
 MAX_EMBED_INPUTS = 2048
 OPENAI_VOICES = frozenset(
     [
@@ -84,12 +88,15 @@ async def embeddings(up: Upstream, body: dict[str, Any], model_name: str) -> dic
     if encoding not in ("float", "base64"):
         raise bad("encoding_format must be 'float' or 'base64'", "encoding_format")
     dimensions = body.get("dimensions")
+    pooling = body.get("pooling") or "mean"
+    if pooling not in POOLINGS:
+        raise bad("pooling must be 'mean' or 'last'", "pooling")
     up.check_up()
     gate = asyncio.Semaphore(EMBED_CONCURRENCY)
 
     async def one(args: dict[str, Any]) -> tuple[np.ndarray[Any, Any], int]:
         async with gate:
-            reply = await up.call("embed", {**args, "pooling": "mean"})
+            reply = await up.call("embed", {**args, "pooling": pooling})
         vector = np.asarray(reply.frame.array("embedding"), dtype="<f4")
         return vector, int(reply.result.get("tokens", 0))
 
@@ -114,6 +121,7 @@ async def embeddings(up: Upstream, body: dict[str, Any], model_name: str) -> dic
         "data": data,
         "model": model_name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "pooling": pooling,
     }
 
 
