@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+import zmq
 
 from conftest import WAIT_S, wait_until
 from gateway.config import GatewayConfig
@@ -35,7 +36,7 @@ from gateway.openai.errors import ApiError
 from gateway.openai.http import HttpFront
 from gateway.openai.media import speech_plan
 from gateway.runner import Gateway
-from protocol import Client
+from protocol import Client, transport
 
 pytest.importorskip("piper")
 from test_speech import normalise, speech_like, transcribe
@@ -213,3 +214,83 @@ def test_hanging_up_cancels_the_synthesis(
     for key in ("completed", "dropped", "errors"):  # ended by the front's cancel, nothing else
         assert after[key] == before[key], key
     assert after["chunks"] - before["chunks"] < len(split_sentences(STORY))
+
+
+# -- failures, from a scripted upstream ------------------------------------------------
+
+
+class ScriptedSpeech:
+    """A ROUTER that answers ``ping`` and each ``synthesize`` by the text: ``busy``
+    is ``queue_full``; anything else one audio event (4 samples), then ``internal``."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.bind(endpoint)
+        self.running = True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.running:
+            if not self.sock.poll(50):
+                continue
+            peer, raw = self.sock.recv_multipart()[:2]
+            req = transport.decode(raw)
+            base = {"v": 1, "id": req["id"]}
+            if req["op"] == "ping":
+                self.sock.send_multipart([peer, transport.encode({**base, "ok": True})])
+            elif req["op"] == "synthesize":
+                if req["args"]["text"] == "busy":
+                    error = {"code": "queue_full", "message": "full", "retry_after_ms": 1500}
+                    self.sock.send_multipart(
+                        [peer, transport.encode({**base, "ok": False, "error": error})]
+                    )
+                    continue
+                event = {"ok": True, "event": "audio", "seq": 0, "samples": 4, "sample_rate": 8000}
+                self.sock.send_multipart(
+                    [peer, transport.encode({**base, **event}), b"\x01\x00" * 4]
+                )
+                error = {"code": "internal", "message": "scripted internal"}
+                self.sock.send_multipart(
+                    [peer, transport.encode({**base, "ok": False, "error": error})]
+                )
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join()
+        self.sock.close(linger=0)
+
+
+def test_failures_before_and_after_the_first_audio(tmp_path: Path) -> None:
+    fake = ScriptedSpeech(f"ipc://{tmp_path}/fake.sock")
+    http_front = HttpFront(f"ipc://{tmp_path}/fake.sock")
+    http_front.start("127.0.0.1", 0)
+    oai = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{http_front.port}/v1", api_key="x", max_retries=0
+    )
+    try:
+        with pytest.raises(openai.RateLimitError) as full:  # before any audio: a status
+            oai.audio.speech.create(model="tts-1", voice="alloy", input="busy")
+        assert full.value.response.headers["Retry-After"] == "2"
+        assert full.value.body["code"] == "queue_full"  # type: ignore[index]
+        with oai.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input="x", response_format="pcm", stream_format="sse"
+        ) as stream:
+            assert stream.headers["X-Sample-Rate"] == "8000"
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        delta, error = (json.loads(line[len("data: ") :]) for line in lines)
+        assert base64.b64decode(delta["audio"]) == b"\x01\x00" * 4
+        assert error["type"] == "error" and error["error"]["code"] == "internal"
+        conn = http.client.HTTPConnection("127.0.0.1", http_front.port, timeout=WAIT_S)
+        body = {"model": "tts-1", "voice": "alloy", "input": "x", "response_format": "wav"}
+        conn.request(
+            "POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200
+        with pytest.raises(http.client.IncompleteRead):  # cut: never a clip that looks whole
+            resp.read()
+        conn.close()
+    finally:
+        http_front.stop()
+        fake.close()
