@@ -4,7 +4,7 @@ Why: whether a worker keeps up with its engine is a question of where a
 turn's time goes besides ``llama_decode``. Every part keeps a running sum
 of seconds since start (a ``time.perf_counter`` pair each, ~0.1 us), and
 ``stats`` reports them as ``profile``; two snapshots a run apart give the
-per-turn table (``scripts/bench_serving.py --profile``,
+per-turn table (``scripts/bench_serving.py`` at its highest concurrency,
 ``scripts/bench_stages.py --pinned`` per stage).
 
 - ``loop`` (``EdgeServer.timing``): ``poll`` (waiting for messages: idle),
