@@ -33,7 +33,7 @@ control tokens as in the real models (``<|start_header_id|>`` /
 the Qwens, which also add no BOS). The end-of-turn marker is the EOS, as in
 the instruct models. Every matrix is Q8_0, every norm and bias F32. Sizes:
 
-- ``tiny``: n_embd 128, 4 layers, vocab 32,768: a few MB, for tests.
+- ``tiny``: n_embd 128, 4 layers, vocab 8,192: 2-3 MB, for tests.
 - ``bench``: n_embd 1024, n_ff 4096, 16 layers, vocab 32,768 (~330 MB for
   llama): the layers dominate a decode (the head is ~12% of it), as in most
   1B+ models.
@@ -83,8 +83,12 @@ class Family:
 
 
 FAMILIES = {
-    "llama": Family(LLAMA_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-                    "<|eot_id|>", True),
+    "llama": Family(
+        LLAMA_TEMPLATE,
+        ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "<|eot_id|>",
+        True,
+    ),
     "qwen": Family(CHATML_TEMPLATE, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", False),
 }
 
@@ -112,7 +116,7 @@ class Shape:
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 SIZES = {
-    "tiny": Shape("llama", 128, 384, 4, 4, 2, 32768),
+    "tiny": Shape("llama", 128, 384, 4, 4, 2, 8192),
     "bench": Shape("llama", 1024, 4096, 16, 16, 4, 32768),
 }
 

@@ -236,10 +236,19 @@ def greedy_run(
     """Prefill ``tokens`` into ``session``, decode ``steps`` greedy tokens,
     drop it: the tokens and every step's logits (exactness compares them)."""
     first = int(client.prefill_sampled(session, tokens)["token"])
+    out, rows = decode_run(client, session, first, steps)
+    client.drop(session)
+    return out, rows
+
+
+def decode_run(
+    client: Client, session: str, first: int, steps: int
+) -> tuple[list[int], np.ndarray]:
+    """Decode ``steps`` greedy tokens after ``first`` (the token a prefill
+    sampled, not yet fed): ``first`` and the tokens, and every step's logits."""
     out, rows = [first], []
     for _ in range(steps):
         reply = client.decode(session, out[-1], output=["logits"])
         rows.append(np.array(reply.frame.array("logits")[0]))
         out.append(int(reply.result["token"]))
-    client.drop(session)
     return out, np.stack(rows)

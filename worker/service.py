@@ -36,10 +36,12 @@ from .core.speculative import DraftModel
 from .engine import Engine, LlamaGrammars
 from .engine.media import Projector
 from .handoff import Handoff
+from .models import resolve_model
 from .profile import Profile
 from .runtime import RuntimeState
 from .runtime.park import Park
 from .runtime.report import runtime_stats
+from .slice.ggufmeta import read_tensor_infos
 from .spec import GrammarChecker
 
 _log = get_logger("skiff.worker")
@@ -81,6 +83,11 @@ class LlmService:
             park=_park(cfg) if not stage else None,
         )
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
+        # Tied: no output.weight, llama.cpp computes the head with token_embd.
+        # Read from the source model: a stage's slice leaves output.weight out
+        # of every stage but the last whatever the model (slicer.py).
+        heads = (t.name for t in read_tensor_infos(resolve_model(cfg.model)))
+        self.tied_head = "output.weight" not in heads
         # Every limit on what a peer controls; per-lane ones resolved to cells.
         self.limits = cfg.limits.resolved(self.rt.ctx_per_lane)
         # what the field rules of api/validate.py need of this worker
@@ -213,7 +220,11 @@ class LlmService:
                 "n_vocab": e.n_vocab,
                 "n_embd": e.n_embd,
                 "n_layer": self.rt.n_layer,
+                "architecture": e.metadata("general.architecture"),
                 "n_ctx_train": e.n_ctx_train,
+                "sliding_window": e.n_swa,  # 0: no layer uses a sliding window
+                "tied_head": self.tied_head,
+                "has_chat_template": e.metadata("tokenizer.chat_template") is not None,
                 "bos": e.bos,
                 "eos": e.eos,
             },

@@ -29,7 +29,7 @@ from protocol.sockets import Curve
 
 from ..config import WorkerConfig, curve_keys
 from ..models import resolve_model
-from ..slice.slicer import SliceError, cached_slice, model_info, parse_range
+from ..slice.slicer import SliceError, cached_slice, check_arch, model_info, parse_range
 from ..slice.swa import range_problem
 from .link import StageLink
 
@@ -72,6 +72,7 @@ def plan_stage(cfg: WorkerConfig) -> StagePlan | None:
     try:
         lo, hi = parse_range(cfg.layers)
         arch, n_layer = model_info(source)
+        check_arch(arch)  # before hashing and slicing the file
         if not 0 <= lo < hi <= n_layer:
             raise SliceError(f"--layers {lo}:{hi} is not a range of the model's {n_layer} layers")
         problem = range_problem(arch, lo, hi)

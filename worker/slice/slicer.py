@@ -1,7 +1,7 @@
 """``skiff-slice``: the model a pipeline stage holding layers ``[LO, HI)`` loads.
 
     skiff-slice MODEL.gguf --layers LO:HI -o OUT.gguf [--keep-all]
-    skiff-slice MODEL.gguf --validate LO:HI [--slice OUT.gguf]
+    skiff-slice MODEL.gguf --validate LO:HI [--slice OUT.gguf] [--threads 1]
     skiff-slice MODEL.gguf --balance N [--rows 4] [--threads 1]
 
 A stage slice holds blocks ``LO .. HI-1`` renumbered from 0, with
@@ -61,8 +61,9 @@ from .ggufmeta import GGUFMetaError, iter_metadata
 from .swa import range_problem, swa_pattern
 
 # Architectures whose per-layer behaviour is known to survive renumbering
-# with the rules above (extend only with a test that compares logits).
-ALLOWED_ARCHS = ("gemma3", "llama")
+# with the rules above (extend only with a test that compares logits:
+# tests/test_archs.py runs --validate and a chain on each; docs/models.md).
+ALLOWED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe")
 
 
 class SliceError(ValueError):
@@ -84,6 +85,15 @@ def parse_range(text: str) -> tuple[int, int]:
     except ValueError:
         raise SliceError(f"a layer range is LO:HI, not {text!r}") from None
     return lo, hi
+
+
+def check_arch(arch: str) -> None:
+    """Refuse an architecture not on the tested list, naming it and the list."""
+    if arch not in ALLOWED_ARCHS:
+        raise SliceError(
+            f"architecture {arch!r} is not on the tested list {list(ALLOWED_ARCHS)}: "
+            "its per-layer behaviour may not survive renumbering"
+        )
 
 
 def model_info(path: Path) -> tuple[str, int]:
@@ -167,11 +177,7 @@ def slice_model(
 
     reader = gguf.GGUFReader(str(src))
     arch = str(reader.fields["general.architecture"].contents())
-    if arch not in ALLOWED_ARCHS:
-        raise SliceError(
-            f"architecture {arch!r} is not on the tested list {list(ALLOWED_ARCHS)}: "
-            "its per-layer behaviour may not survive renumbering"
-        )
+    check_arch(arch)
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     if not 0 <= lo < hi <= n_layer or (parts.spare and hi == n_layer):
         raise SliceError(f"layers {lo}:{hi} are not a range of the model's {n_layer}")
@@ -287,21 +293,25 @@ def cached_slice(src: Path, lo: int, hi: int, cache_dir: Path | None = None) -> 
     return slice_model(src, lo, hi, out, sha256=sha, parts=stage_parts(lo, hi, n_layer))
 
 
-def validate(src: Path, lo: int, hi: int, sliced: Path | None = None, text: str = "") -> str | None:
+def validate(
+    src: Path, lo: int, hi: int, sliced: Path | None = None, text: str = "", threads: int = 1
+) -> str | None:
     """Compare a slice's layers with the full model's; the first that differs
     (``None`` when every layer is bit-identical). Without ``sliced``, the
-    slice a stage holding ``[lo, hi)`` loads is cut to a temp dir."""
+    slice a stage holding ``[lo, hi)`` loads is cut to a temp dir. Rows do
+    not depend on the thread count (docs/exactness.md): one thread is
+    enough for one prompt, and never waits on a busy core's barrier."""
     prompt = text or "The lighthouse keeper climbed the stairs every evening, and the sea"
-    full = layer_outputs(str(src), prompt, None, range(max(0, lo - 1), hi))
+    full = layer_outputs(str(src), prompt, None, range(max(0, lo - 1), hi), threads)
     feed = full.get(lo - 1) if lo > 0 else None
     if sliced is None:
         with tempfile.TemporaryDirectory(prefix="skiff-validate-") as tmp:
             _, n_layer = model_info(src)
             parts = stage_parts(lo, hi, n_layer)
             path = slice_model(src, lo, hi, Path(tmp) / "slice.gguf", parts=parts)
-            part = layer_outputs(str(path), prompt, feed, range(0, hi - lo))
+            part = layer_outputs(str(path), prompt, feed, range(0, hi - lo), threads)
     else:
-        part = layer_outputs(str(sliced), prompt, feed, range(0, hi - lo))
+        part = layer_outputs(str(sliced), prompt, feed, range(0, hi - lo), threads)
     for k in range(hi - lo):
         a, b = full[lo + k], part[k]
         if a.shape != b.shape or not np.array_equal(a, b):
@@ -311,7 +321,7 @@ def validate(src: Path, lo: int, hi: int, sliced: Path | None = None, text: str 
 
 
 def layer_outputs(
-    model_path: str, prompt: str, feed: np.ndarray | None, layers: Iterable[int]
+    model_path: str, prompt: str, feed: np.ndarray | None, layers: Iterable[int], threads: int = 1
 ) -> dict[int, np.ndarray]:
     """Every asked layer's output (``l_out-N``, all rows) for one prompt.
 
@@ -322,7 +332,14 @@ def layer_outputs(
     """
     from ..engine import Engine, EngineConfig, EngineError, Segment  # loads llama.cpp
 
-    config = EngineConfig(model_path, n_ctx=2048, n_seq=1, tap_layers=tuple(layers), tap_stop=True)
+    config = EngineConfig(
+        model_path,
+        n_ctx=2048,
+        n_seq=1,
+        n_threads=threads,
+        tap_layers=tuple(layers),
+        tap_stop=True,
+    )
     engine = Engine(config)
     try:
         tokens = engine.tokenize(prompt)
@@ -358,7 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="measure each layer's and the head's cost and print the best split into N stages",
     )
     ap.add_argument("--rows", type=int, default=4, help="with --balance: decode batch size")
-    ap.add_argument("--threads", type=int, default=1, help="with --balance: compute threads")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="with --balance or --validate: compute threads"
+    )
     args = ap.parse_args(argv)
     try:
         if args.balance:
@@ -369,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.validate:
             lo, hi = parse_range(args.validate)
-            why = validate(args.model, lo, hi, args.slice)
+            why = validate(args.model, lo, hi, args.slice, threads=args.threads)
             sys.stdout.write(
                 f"{'OK: every layer identical' if why is None else 'DIFFERS: ' + why}\n"
             )
