@@ -208,28 +208,30 @@ def write(shape: Shape, out: Path) -> None:
         data = rng.standard_normal(dims, dtype=np.float32) / np.float32(np.sqrt(dims[-1]))
         w.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
 
-    def vector(name: str, n: int, scale: float = 0.0) -> None:
-        # norms are ones, biases small noise (zero biases would not show a missed add)
-        data = np.ones(n, np.float32) if scale == 0.0 else rng.standard_normal(n, np.float32)
-        w.add_tensor(name, data * np.float32(scale) if scale else data)
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    def bias(name: str, n: int) -> None:
+        # small noise, not zeros: a bias llama.cpp failed to add would show
+        w.add_tensor(name, rng.standard_normal(n, dtype=np.float32) * np.float32(0.1))
 
     e, hd = shape.n_embd, shape.n_embd // shape.n_head
     kv = shape.n_head_kv * hd
     qwen3 = shape.arch in ("qwen3", "qwen3moe")
     matrix("token_embd.weight", shape.vocab, e)
     for i in range(shape.n_layer):
-        vector(f"blk.{i}.attn_norm.weight", e)
+        norm(f"blk.{i}.attn_norm.weight", e)
         matrix(f"blk.{i}.attn_q.weight", e, e)
         matrix(f"blk.{i}.attn_k.weight", kv, e)
         matrix(f"blk.{i}.attn_v.weight", kv, e)
         if shape.arch == "qwen2":
             for part, n in (("q", e), ("k", kv), ("v", kv)):
-                vector(f"blk.{i}.attn_{part}.bias", n, 0.1)
+                bias(f"blk.{i}.attn_{part}.bias", n)
         if qwen3:
-            vector(f"blk.{i}.attn_q_norm.weight", hd)
-            vector(f"blk.{i}.attn_k_norm.weight", hd)
+            norm(f"blk.{i}.attn_q_norm.weight", hd)
+            norm(f"blk.{i}.attn_k_norm.weight", hd)
         matrix(f"blk.{i}.attn_output.weight", e, e)
-        vector(f"blk.{i}.ffn_norm.weight", e)
+        norm(f"blk.{i}.ffn_norm.weight", e)
         if shape.n_expert:
             x, f = shape.n_expert, shape.n_ff_exp
             matrix(f"blk.{i}.ffn_gate_inp.weight", x, e)
@@ -240,7 +242,7 @@ def write(shape: Shape, out: Path) -> None:
             matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, e)
             matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, e)
             matrix(f"blk.{i}.ffn_down.weight", e, shape.n_ff)
-    vector("output_norm.weight", e)
+    norm("output_norm.weight", e)
     if not shape.tied:
         matrix("output.weight", shape.vocab, e)
     w.write_header_to_file()
