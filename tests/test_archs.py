@@ -23,6 +23,7 @@ reused; the same on Gemma 3 is refused (tests/test_exactness.py).
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,6 +38,8 @@ import pytest
 from conftest import ROOT, decode_run, greedy_run, start_chain, start_worker, stop_worker
 from conftest import tidy_client as tidy
 from protocol import Client
+from worker.chain.setup import plan_stage
+from worker.config import parse
 from worker.slice.slicer import ALLOWED_ARCHS
 from worker.slice.slicer import main as slice_main
 
@@ -182,10 +185,14 @@ def test_the_slicer_refuses_an_untested_architecture_by_name(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    refusal = f"architecture 'gpt2' is not on the tested list {list(ALLOWED_ARCHS)}"
     assert slice_main([str(path), "--layers", "0:1", "-o", str(tmp_path / "out.gguf")]) == 2
-    err = capsys.readouterr().err
-    assert f"architecture 'gpt2' is not on the tested list {list(ALLOWED_ARCHS)}" in err
+    assert refusal in capsys.readouterr().err
     assert not (tmp_path / "out.gguf").exists()
+    # a stage refuses to start, before hashing or slicing anything
+    with pytest.raises(SystemExit, match=re.escape(f"skiff-worker: {refusal}")):
+        plan_stage(parse(["--model", str(path), "--layers", "0:1"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2.gguf"]
 
 
 # -- ops ---------------------------------------------------------------------------------
