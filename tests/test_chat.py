@@ -87,6 +87,7 @@ def test_fallback_renders_gemma_turns() -> None:
         "source": "fallback",
         "name": "gemma-turn",
         "end_of_turn": "<end_of_turn>",
+        "tools": "preamble",  # no tool support in the template: the worker's preamble
     }
 
 
@@ -189,6 +190,7 @@ def test_info_names_the_fallback(client: Client) -> None:
         "source": "fallback",
         "name": "gemma-turn",
         "end_of_turn": "<end_of_turn>",
+        "tools": "preamble",
     }
 
 
@@ -276,7 +278,12 @@ def test_flag_template_is_used_and_stops_at_its_end_of_turn(tmp_path: Path) -> N
     try:
         with Client(endpoint, timeout_ms=60_000) as client:
             info = client.info()["chat_template"]
-            assert info == {"source": "flag", "name": str(path), "end_of_turn": "END"}
+            assert info == {
+                "source": "flag",
+                "name": str(path),
+                "end_of_turn": "END",
+                "tools": "preamble",
+            }
             # Few-shot turns the model copies, so it ends its own turn with END.
             messages = [
                 {"role": "user", "content": "Say hi."},

@@ -136,8 +136,11 @@ class GrammarChecker(Protocol):
 
 
 def canonical_schema(schema: dict[str, Any]) -> str:
-    """JSON text of a schema, stable for equal schemas."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    """Compact JSON text of a schema, keys in the schema's own order: the
+    order of ``properties`` is the order the grammar writes them (as in
+    OpenAI's structured outputs; a forced tool call relies on ``name``
+    coming before ``arguments``), so two orders are two schemas."""
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def spec_to_wire(spec: SamplerSpec) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from .app import App, Handler
 from .media import chat_media, check_markers, generate_prompt, projector_of
 from .requests import Generation, Speculation
 from .sampling import Sampling
+from .tools import read_tools
 from .validate import (
     OUTPUTS,
     Bool,
@@ -263,12 +264,14 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
 
 
 def h_chat(app: App, req: Request) -> dict[str, Any] | None:
-    """``chat``: messages rendered by the chat template; media as ``image_url``
-    parts, or as ``media`` with markers in the text."""
+    """``chat``: messages rendered by the chat template (with ``tools``: the
+    template's tool support or a preamble, ``core/tools.py``); media as
+    ``image_url`` parts, or as ``media`` with markers in the text."""
     args = req.args
     if "prompt" in args or "tokens" in args:
         raise BadRequest("chat takes messages, not prompt or tokens")
     gen = read_generation(app, req)  # before any media is decoded (and must be freed)
+    tools = read_tools(args)
     messages, media = chat_media(app, req)
     template = app.chat
     end = [template.end_of_turn] if template.end_of_turn else []
@@ -276,7 +279,7 @@ def h_chat(app: App, req: Request) -> dict[str, Any] | None:
 
         def build() -> GenerateJob:
             assert media is not None
-            media.text = template.render(messages)
+            media.text = template.render(messages, tools=tools)
             check_markers(media.projector, media.text, len(media.bitmaps), "the rendered chat")
             make = _media_job(media, chat=True, closer=template.closer_tokens, bos=template.bos)
             return generate_job(app, req, gen, media.text, make, template.stop_tokens, end)
@@ -284,7 +287,7 @@ def h_chat(app: App, req: Request) -> dict[str, Any] | None:
         _submit(app, media, build)
         return None
     cells, most = app.rt.ctx_per_lane, app.limits.max_request_tokens
-    tokens = template.prompt_tokens(app.engine, messages)
+    tokens = template.prompt_tokens(app.engine, messages, tools)
     if not tokens:
         raise BadRequest("messages render to an empty prompt")
     if most < cells:  # more than the cells is context_overflow when the job starts

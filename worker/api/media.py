@@ -36,6 +36,7 @@ from ..engine.media_sniff import MediaError, image_size
 from ..limits import Limits, check
 from .app import App, Handler
 from .sampling import get_sampling
+from .tools import message_tool_fields
 from .validate import get_bool, get_int, get_outputs, get_session, get_str
 
 # Media items one request may carry (each is at least one position and an encode).
@@ -48,8 +49,9 @@ def get_messages(
     max_chars: int,
     most: int = Limits().max_messages,
     parts: Callable[[list[Any], str], str] | None = None,
-) -> list[dict[str, str]]:
-    """Validate ``messages``: a non-empty list of ``{"role", "content"}`` strings,
+) -> list[dict[str, Any]]:
+    """Validate ``messages``: a non-empty list of ``{"role", "content"}`` strings
+    (with their tool fields, ``tools.py``: a content may be null beside ``tool_calls``),
     at most ``most`` of them (``--max-messages``: ``limit_exceeded``). With
     ``parts``, a content may also be a list of parts, which ``parts(list,
     where)`` turns into the string (media chat: images become the marker)."""
@@ -65,15 +67,18 @@ def get_messages(
         role, content = msg.get("role"), msg.get("content")
         if not isinstance(role, str) or not 0 < len(role) <= 64:
             raise BadRequest(f"messages[{i}].role must be a non-empty string")
+        extra = message_tool_fields(msg, f"messages[{i}]")
+        if content is None and "tool_calls" in extra:
+            content = ""  # an assistant turn that only calls tools
         if parts is not None and isinstance(content, list):
             content = parts(content, f"messages[{i}].content")
         if not isinstance(content, str):
             kinds = "a string or a list of parts" if parts is not None else "a string"
             raise BadRequest(f"messages[{i}].content must be {kinds}")
-        total += len(content)
+        total += len(content) + sum(len(str(c["function"])) for c in extra.get("tool_calls", ()))
         if total > max_chars:
             raise BadRequest(f"messages are longer than {max_chars} characters")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **extra})
     return out
 
 
@@ -201,7 +206,7 @@ def generate_prompt(app: App, req: Request, text: str) -> MediaPrompt:
     return prompt
 
 
-def chat_media(app: App, req: Request) -> tuple[list[dict[str, str]], MediaPrompt | None]:
+def chat_media(app: App, req: Request) -> tuple[list[dict[str, Any]], MediaPrompt | None]:
     """``chat``'s messages with string contents (OpenAI-style ``text`` parts
     joined, each ``image_url`` part replaced by the projector's marker), and
     the media prompt when the request carries media (``image_url`` parts, or
@@ -238,7 +243,7 @@ def chat_media(app: App, req: Request) -> tuple[list[dict[str, str]], MediaPromp
 
 def chat_messages(
     raw: Any, marker: str, max_chars: int, most: int
-) -> tuple[list[dict[str, str]], list[tuple[str, str, bytes]]]:
+) -> tuple[list[dict[str, Any]], list[tuple[str, str, bytes]]]:
     """Messages with string contents, and the images of their ``image_url``
     parts as ``(where, mime, bytes)`` (each replaced by ``marker``)."""
     images: list[tuple[str, str, bytes]] = []

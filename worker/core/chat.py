@@ -36,6 +36,7 @@ from faults import BadRequest
 
 from ..runtime import RuntimeState
 from .jobs.generate import GenerateJob
+from .tools import as_text, for_template, has_tool_turns, uses_tools
 
 FALLBACK_NAME = "gemma-turn"
 
@@ -123,10 +124,12 @@ class ChatTemplate:
     bos: int | None = None
 
     def __post_init__(self) -> None:
+        env = _environment()
         try:
-            self._template = _environment().from_string(self.text)
+            self._template = env.from_string(self.text)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template {self.name}: {exc}") from exc
+        self.tool_aware = uses_tools(env, self.text)  # else tools become a preamble
         self.closer = self._find_closer()
 
     # -- loading ---------------------------------------------------------------
@@ -183,26 +186,52 @@ class ChatTemplate:
         return self.closer.strip()
 
     def info(self) -> dict[str, Any]:
-        return {"source": self.source, "name": self.name, "end_of_turn": self.end_of_turn or None}
+        return {
+            "source": self.source,
+            "name": self.name,
+            "end_of_turn": self.end_of_turn or None,
+            "tools": "template" if self.tool_aware else "preamble",
+        }
 
     # -- rendering -------------------------------------------------------------
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text; ``tools`` (and tool turns in ``messages``) go to
+        the template when it renders them, else become text (``tools.py``)."""
+        context: dict[str, Any] = {}
+        if self.tool_aware:
+            if tools:
+                context["tools"] = tools
+            messages = for_template(messages)
+        elif tools or has_tool_turns(messages):
+            messages = as_text(messages, tools)
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **context,
             )
         except jinja2.TemplateError as exc:
             raise BadRequest(f"chat template: {exc.message or exc}") from exc
         except Exception as exc:  # the template's own logic failed on these messages
             raise BadRequest(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
-    def prompt_tokens(self, engine: Vocab, messages: list[dict[str, str]]) -> list[int]:
+    def prompt_tokens(
+        self,
+        engine: Vocab,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Render and tokenize: special markers become their tokens, BOS is not doubled."""
-        return engine.tokenize(self.render(messages), add_special=False, parse_special=True)
+        text = self.render(messages, tools=tools)
+        return engine.tokenize(text, add_special=False, parse_special=True)
 
 
 def _spelling(engine: Vocab, token: int, candidates: tuple[str, ...]) -> str:
