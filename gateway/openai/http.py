@@ -307,7 +307,12 @@ class HttpFront:
         shaper = Shaper(plan, self.model_name)
         pending = up.open(plan.op, plan.args)
         try:
-            first = await up.next(pending)
+            try:
+                first = await up.next(pending)
+            except ApiError as exc:
+                if plan.tools is not None and exc.param == "response_format":
+                    exc.param = "tools"  # the worker refused the forced call's schema
+                raise
             if not plan.stream:
                 result = first.result
                 infos = result.get("logprobs") or []
@@ -331,13 +336,15 @@ class HttpFront:
                     token = int(header["token"])
                     logprobs = await self._logprobs(shaper, [token], [header])
                     text = str(header.get("text", ""))
-                    if text or logprobs is not None:
+                    if logprobs is not None:  # never with tools (shapes.py refuses it)
                         await response.write(_sse(shaper.text_chunk(text, logprobs)))
+                    else:
+                        for chunk in shaper.text_chunks(text):
+                            await response.write(_sse(chunk))
                 if header.get("done"):
-                    tail = str(header.get("text", ""))
-                    if tail:
-                        await response.write(_sse(shaper.text_chunk(tail)))
-                    reason = finish_reason(header.get("finish_reason"))
+                    for chunk in shaper.text_chunks(str(header.get("text", "")), end=True):
+                        await response.write(_sse(chunk))
+                    reason = shaper.finish(finish_reason(header.get("finish_reason")))
                     await response.write(_sse(shaper.text_chunk("", finish=reason)))
                     if shaper.plan.include_usage:
                         await response.write(_sse(shaper.usage_chunk(header.get("usage"))))

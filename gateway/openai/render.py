@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .shapes import GenPlan
+from .toolcalls import CallArgs, CallScanner, CallStart, Content, Event, collect
 
 LOGPROB_FLOOR = -9999.0
 
@@ -69,6 +70,9 @@ class Shaper:
         self.id = f"{'chatcmpl' if plan.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.offset = 0  # completions logprobs: text_offset of the next token
+        # With tools, generated text goes through the call reader first.
+        tools = plan.tools
+        self.scanner = CallScanner(tools.names) if tools is not None else None
 
     # -- logprobs ------------------------------------------------------------------
 
@@ -122,9 +126,16 @@ class Shaper:
         reason = finish_reason(result.get("finish_reason"))
         choice: dict[str, Any]
         if self.plan.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if self.scanner is not None:
+                content, calls = collect(self.scanner.feed(text) + self.scanner.finish())
+                if calls:
+                    message["content"] = content if content.strip() else None
+                    message["tool_calls"] = calls
+                    reason = self.finish(reason)
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": reason,
             }
@@ -176,6 +187,40 @@ class Shaper:
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return self._chunk([choice])
+
+    def finish(self, reason: str) -> str:
+        """``tool_calls`` for an answer that made calls and ended by itself."""
+        made = self.scanner is not None and self.scanner.calls > 0
+        return "tool_calls" if made and reason == "stop" else reason
+
+    def text_chunks(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
+        """Chat stream chunks for generated text: content as it comes, or,
+        with tools, content and ``delta.tool_calls`` as the reader finds them
+        (``end``: the stream is over, what it held back goes out)."""
+        if self.scanner is None:
+            return [self.text_chunk(text)] if text else []
+        events = self.scanner.feed(text) if text else []
+        if end:
+            events += self.scanner.finish()
+        return [self._event_chunk(e) for e in events]
+
+    def _event_chunk(self, event: Event) -> dict[str, Any]:
+        if isinstance(event, Content):
+            return self.text_chunk(event.text)
+        call: dict[str, Any]
+        if isinstance(event, CallStart):
+            fn = {"name": event.name, "arguments": ""}
+            call = {"index": event.index, "id": event.id, "type": "function", "function": fn}
+        else:
+            assert isinstance(event, CallArgs)
+            call = {"index": event.index, "function": {"arguments": event.text}}
+        choice = {
+            "index": 0,
+            "delta": {"tool_calls": [call]},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return self._chunk([choice])
 
     def usage_chunk(self, raw: Any) -> dict[str, Any]:

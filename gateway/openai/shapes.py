@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import bad, not_found
+from .images import check_images, image_part
+from .tools import ToolPlan, past_calls, plan_tools
 
 SEED_MODULUS = 0xFFFFFFFF  # skiff seeds are [0, 2^32 - 1); 2^32 - 1 means "random"
 MAX_TOP_LOGPROBS = 20
@@ -42,6 +44,7 @@ class GenPlan:
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs; else how many alternatives per token
     chat: bool
+    tools: ToolPlan | None = None  # chat with tools: how to ask and how to read the answer
 
 
 def _opt_number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
@@ -249,55 +252,84 @@ def plan_completion(body: dict[str, Any], model_name: str) -> GenPlan:
     return GenPlan("generate", args, stream, include_usage, top, chat=False)
 
 
-def _content(value: Any, i: int) -> str:
-    """A message's content: a string, or text parts joined (images are refused)."""
+def _content(value: Any, i: int) -> str | list[dict[str, Any]]:
+    """A message's content: a string, text parts joined, or (with an image)
+    the parts themselves, checked (``images.py``), for the worker to splice."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         texts: list[str] = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad(f"messages[{i}].content[{j}]: only text parts are supported", "messages")
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                parts.append(image_part(part, where))
+                continue
+            if kind != "text":
+                raise bad(f"{where}: only text and image_url parts are supported", "messages")
             text = part.get("text")
             if not isinstance(text, str):
-                raise bad(f"messages[{i}].content[{j}].text must be a string", "messages")
+                raise bad(f"{where}.text must be a string", "messages")
             texts.append(text)
+            parts.append({"type": "text", "text": text})
+        if len(parts) > len(texts):
+            return parts
         return "\n".join(texts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    raise bad(f"messages[{i}].content must be a string or a list of content parts", "messages")
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _message(msg: dict[str, Any], i: int) -> dict[str, Any]:
+    raw = msg.get("role")
+    role = _ROLES.get(raw) if isinstance(raw, str) else None
+    if role is None:
+        raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
+    if msg.get("function_call") is not None:
+        raise bad(f"messages[{i}].function_call is deprecated: use tool_calls", "messages")
+    out: dict[str, Any] = {"role": role}
+    calls = msg.get("tool_calls")
+    if calls:
+        if role != "assistant":
+            raise bad(f"messages[{i}].tool_calls: only assistant messages carry them", "messages")
+        out["tool_calls"] = past_calls(calls, i)
+    if role == "tool":
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad(f"messages[{i}].tool_call_id is required for a tool message", "messages")
+        out["tool_call_id"] = call_id
+    content = msg.get("content")
+    out["content"] = "" if content is None and calls else _content(content, i)
+    if role != "user" and isinstance(out["content"], list):
+        raise bad(f"messages[{i}]: images are only supported in user messages", "messages")
+    return out
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise bad(f"messages[{i}] must be an object", "messages")
-        raw = msg.get("role")
-        role = _ROLES.get(raw) if isinstance(raw, str) else None
-        if role is None:
-            raise bad(
-                f"messages[{i}].role must be one of {', '.join(_ROLES)} (no tools here)",
-                "messages",
-            )
-        if msg.get("tool_calls") or msg.get("function_call"):
-            raise bad(f"messages[{i}]: tool calls are not supported", "messages")
-        out.append({"role": role, "content": _content(msg.get("content"), i)})
+        out.append(_message(msg, i))
+    check_images(out)
     return out
 
 
 def plan_chat(body: dict[str, Any], model_name: str, default_max_tokens: int | None) -> GenPlan:
     """``POST /v1/chat/completions`` -> skiff ``chat`` (the worker's template)."""
     check_model(body, model_name)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad(f"{name} is not supported: no tool calling", name)
-    _refuse(body, "tool_choice", ("none",), "no tool calling")
-    _refuse(body, "function_call", ("none",), "no tool calling")
+    tools = plan_tools(body)
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad("modalities: only ['text'] is supported", "modalities")
@@ -312,7 +344,18 @@ def plan_chat(body: dict[str, Any], model_name: str, default_max_tokens: int | N
     args["messages"] = _messages(body)
     top = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if _opt_bool(body, "logprobs"):
+        if tools is not None:
+            raise bad("logprobs is not supported together with tools", "logprobs")
         top = _with_logprobs(args, top or 0)
     elif top is not None:
         raise bad("top_logprobs requires logprobs to be true", "top_logprobs")
-    return GenPlan("chat", args, stream, include_usage, top, chat=True)
+    if tools is not None:
+        args["tools"] = tools.tools
+        if tools.schema is not None:
+            sampling = args["sampling"]
+            if "json_schema" in sampling or "grammar" in sampling:
+                raise bad(
+                    "a forced tool call cannot also take response_format or grammar", "tool_choice"
+                )
+            sampling["json_schema"] = tools.schema
+    return GenPlan("chat", args, stream, include_usage, top, chat=True, tools=tools)
