@@ -9,6 +9,7 @@ run without a session. Everything not the gateway's own is forwarded.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from edge import Handler, Request
 
@@ -64,3 +65,27 @@ def sessions_of(req: Request) -> tuple[str, ...]:
             return tuple(dict.fromkeys(n for n in names if isinstance(n, str) and n))
         return ()
     return (req.session,) if req.session is not None else ()
+
+
+def carries_media(req: Request) -> bool:
+    """Whether ``req`` needs a worker that can see: ``prefill_media``, a
+    ``media`` list, or a chat message with an ``image_url`` part."""
+    if req.op == "prefill_media" or req.args.get("media"):
+        return True
+    if req.op != "chat" or not isinstance(req.args.get("messages"), list):
+        return False
+    return any(_has_image(m.get("content")) for m in req.args["messages"] if isinstance(m, dict))
+
+
+def _has_image(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "image_url" for p in content
+    )
+
+
+def sees(info: Mapping[str, Any] | None) -> bool | None:
+    """A worker's ``info`` says it takes images (``--mmproj``); None: not known yet."""
+    if info is None:
+        return None
+    media = info.get("media")
+    return isinstance(media, dict) and media.get("image") is True

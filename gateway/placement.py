@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 
 from edge import Request
-from faults import BadRequest, WorkerUnavailable
+from faults import BadRequest, Unsupported, WorkerUnavailable
 
 from .affinity import AffinityTable
-from .ops import PROMPT_OPS, UNPLACED_OPS
+from .ops import PROMPT_OPS, UNPLACED_OPS, carries_media, sees
 from .pool import LLM, SPEECH, Pool, WorkerConn
 from .router import Router, prompt_blocks
 
@@ -55,17 +55,35 @@ class Placer:
         return worker, True, chosen
 
     def choose(self, req: Request, exclude: WorkerConn | None = None) -> WorkerConn:
-        """New work: the routing policy over eligible LLM workers."""
-        candidates = [
-            w.candidate()
-            for w in self.pool.workers.values()
-            if w.kind == LLM and w.eligible and w is not exclude
-        ]
+        """New work: the routing policy over eligible LLM workers (those that
+        can see, for a request with images: ``seeing``)."""
+        workers = [w for w in self.pool.workers.values() if w.kind == LLM]
+        media = carries_media(req)
+        if media:
+            workers = self.seeing(workers)
+        candidates = [w.candidate() for w in workers if w.eligible and w is not exclude]
         blocks = prompt_blocks(req.args) if req.op in PROMPT_OPS else ()
         name = self.router.choose(candidates, blocks)
         if name is None:
-            raise WorkerUnavailable("no LLM worker is up")
+            raise WorkerUnavailable(
+                "no LLM worker that can see images (--mmproj) is up"
+                if media
+                else "no LLM worker is up"
+            )
         return self.pool.workers[name]
+
+    @staticmethod
+    def seeing(workers: list[WorkerConn]) -> list[WorkerConn]:
+        """The workers whose ``info`` says they take images. When every
+        worker has answered ``info`` and none does, the request can never
+        run here: ``unsupported`` (a 400 over HTTP), not "try later"."""
+        found = [w for w in workers if sees(w.info)]
+        if not found and workers and all(sees(w.info) is False for w in workers):
+            raise Unsupported(
+                "this request carries images and no worker behind this gateway can see: "
+                "none was started with --mmproj (a multimodal projector)"
+            )
+        return found
 
     def speech_worker(self) -> WorkerConn:
         up = [w for w in self.pool.workers.values() if w.kind == SPEECH and w.eligible]

@@ -17,6 +17,7 @@ from edge import process as process_stats
 from faults import WorkerUnavailable
 
 from .host import Host
+from .ops import sees
 from .pool import LLM, SPEECH, WorkerConn
 
 GATEWAY_OPS = ("gateway_status", "gateway_drain")
@@ -105,6 +106,7 @@ def worker_view(svc: Host, w: WorkerConn) -> dict[str, Any]:
         "endpoint": w.name,
         "kind": w.kind,
         "up": w.up,
+        "sees": sees(w.info),  # takes images (--mmproj); null until its info came
         "draining": w.draining,
         "drained": w.drained,
         "in_flight": svc.client_work(w),
