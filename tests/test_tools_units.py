@@ -4,6 +4,7 @@ the worker's rendering of tools and tool turns, and their validation."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -36,7 +37,7 @@ WEATHER = {
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 
 
-def scan(text: str, cuts: list[int] = ()) -> list[Event]:  # type: ignore[assignment]
+def scan(text: str, cuts: Sequence[int] = ()) -> list[Event]:
     """Feed ``text`` in pieces cut at ``cuts``; every event, in order."""
     scanner = CallScanner(NAMES)
     events: list[Event] = []

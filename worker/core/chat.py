@@ -14,6 +14,10 @@ end-of-turn token, found once at load by rendering a probe conversation and
 reading what the template writes after an assistant message (the "closer",
 e.g. ``<end_of_turn>\\n``).
 
+Tools (``tools`` and tool turns in the messages) go to the template when it
+reads ``tools``, else they become a system preamble and text turns
+(``tools.py``); ``info.chat_template.tools`` says which.
+
 Multi-turn on a named session: the client sends only the new messages. The
 model's previous turn ended at its end-of-turn token, which never reached the
 KV cache, so a turn on a non-empty session first feeds the closer, and drops

@@ -110,15 +110,18 @@ def as_text(
     consecutive results joined into one user turn (templates that insist on
     alternating roles accept it)."""
     out: list[dict[str, Any]] = []
+    results_open = False  # the last turn out is tool results (the next one joins it)
     for msg in messages:
         role, content = msg["role"], msg.get("content") or ""
         if role == "tool":
             text = f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"
-            if out and out[-1].get("_results"):
+            if results_open:
                 out[-1]["content"] += "\n" + text
             else:
-                out.append({"role": "user", "content": text, "_results": True})
+                out.append({"role": "user", "content": text})
+            results_open = True
             continue
+        results_open = False
         calls = msg.get("tool_calls")
         if calls:
             blocks = [
@@ -126,7 +129,6 @@ def as_text(
             ]
             content = "\n".join([content, *blocks] if content else blocks)
         out.append({"role": role, "content": content})
-    out = [{"role": m["role"], "content": m["content"]} for m in out]
     if tools:
         head = preamble(tools)
         if out and out[0]["role"] == "system":
