@@ -110,6 +110,15 @@ def test_what_is_not_a_call_stays_text() -> None:
         assert (content, calls) == (text, []), text
 
 
+def test_space_around_calls_is_not_content_but_is_kept_in_text() -> None:
+    call = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+    for cuts in ([], [1], [2, 5], [3, 40]):
+        events = scan(f" \n{call}\n \n{call} \n", cuts)
+        assert not any(isinstance(e, Content) for e in events)  # streamed: no stray chunks
+        assert len(collect(events)[1]) == 2
+    assert collect(scan(" \n<tool_call>hello", [1, 4])) == (" \n<tool_call>hello", [])
+
+
 def test_arguments_cut_short_stay_cut() -> None:
     content, calls = collect(scan('{"name": "add", "arguments": {"a": "lo'))
     assert content == "" and calls[0]["function"]["arguments"] == '{"a": "lo'

@@ -120,6 +120,7 @@ class CallScanner:
     _started: bool = False  # the output's first non-space character was seen
     _block: bool = False  # the current call is inside <tool_call> tags
     _raw: str = ""  # what opened the current header (given back if it fails)
+    _lead: str = ""  # space before a first <tool_call> (dropped if it is a call)
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
@@ -152,10 +153,13 @@ class CallScanner:
         if self._mode == _TEXT:
             if not self._started:
                 rest = buf.lstrip(_WS)
-                if not rest:
+                if CALL_OPEN.startswith(rest):  # nothing yet, or maybe a call's tag
                     return False
                 self._started = True
-                if rest[0] == "{" and self.calls == 0:
+                if rest.startswith(CALL_OPEN):  # space before a first call is not content
+                    self._lead, self._buf = buf[: len(buf) - len(rest)], rest
+                    buf = rest
+                elif rest[0] == "{" and self.calls == 0:
                     self._mode, self._block, self._raw = _HEADER, False, ""
                     return True
             if self.calls and not buf.strip(_WS):
@@ -165,7 +169,8 @@ class CallScanner:
                 if not (self.calls and not buf[:at].strip(_WS)):
                     self._content(buf[:at])
                 self._buf = buf[at + len(CALL_OPEN) :]
-                self._mode, self._block, self._raw = _HEADER, True, CALL_OPEN
+                self._mode, self._block, self._raw = _HEADER, True, self._lead + CALL_OPEN
+                self._lead = ""
                 return True
             keep = next(
                 (
