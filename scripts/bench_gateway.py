@@ -156,9 +156,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the loads")
     ap.add_argument(
         "--policy",
-        default="least_loaded",
+        default="cache_aware",
         choices=("cache_aware", "least_loaded", "round_robin"),
-        help="the gateway's routing policy",
+        help="the gateway's routing policy (default: the gateway's own default)",
     )
     args = ap.parse_args()
     py = sys.executable

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -202,6 +203,37 @@ def streamed(
 Runs = dict[str, list[dict[str, float]]]  # who ("one", "chain") -> each round's figures
 
 
+def profiles(endpoints: dict[str, str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, ep in endpoints.items():
+        with Client(ep) as c:
+            out[name] = c.stats()["profile"]
+    return out
+
+
+def busy_table(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> list[str]:
+    """Where each process's time went over one load (stats.profile), % of the wall."""
+    lines = []
+    for name in after:
+        a, b = after[name], before[name]
+        wall = a["wall_s"] - b["wall_s"]
+        turn = {k: a["turn"][k] - b["turn"].get(k, 0.0) for k in a["turn"]}
+        loop = {k: a["loop"][k] - b["loop"].get(k, 0.0) for k in a["loop"]}
+        forwards = a["forwards"] - b["forwards"]
+        cells = {
+            "llama_decode": turn["decode"],
+            "waiting: poll": loop["poll"],
+            "waiting: chain": turn.get("land_wait", 0.0),
+            "receive": loop["receive"],
+            "send": loop["send"],
+            "python in turns": loop["turn"] - turn["decode"] - turn.get("land_wait", 0.0),
+        }
+        text = " | ".join(f"{k} {100 * v / wall:4.1f}%" for k, v in cells.items())
+        lines.append(f"    {name:<8} {forwards:5d} forwards, {1000 * wall / max(1, forwards):6.1f} "
+                     f"ms each: {text}")  # fmt: skip
+    return lines
+
+
 def pinned(args: argparse.Namespace) -> None:
     """One worker on core 0 vs a 2-stage chain on cores 0 and 1."""
     common = ("--lanes", "8", "--ctx", "8192", "--model", args.model)
@@ -251,12 +283,20 @@ def pinned(args: argparse.Namespace) -> None:
             loads = [(f"c={c}", c, 0, 1) for c in (1, 4, 8)]
             loads.append((f"staggered 8 x {args.gap_ms} ms", 8, args.gap_ms, 4))
             seen: dict[str, Runs] = {}
+            eps = {"one": full_ep, "stage 0": s0_ep, "stage 1": s1_ep}
+            busy: dict[str, list[str]] = {}
             for r in range(args.rounds):
                 for name, conc, gap, rep in loads:
                     order = [("one", full_ep), ("chain", s0_ep)]
                     for who, ep in order if r % 2 == 0 else order[::-1]:
+                        before = profiles(eps)
                         got = streamed(ep, conc, args.tokens, gap, rep)
                         seen.setdefault(name, {}).setdefault(who, []).append(got)
+                        after = profiles(eps)
+                        mine = ["one"] if who == "one" else ["stage 0", "stage 1"]
+                        busy[f"{name} {who}"] = busy_table(
+                            {k: before[k] for k in mine}, {k: after[k] for k in mine}
+                        )
             print(
                 f"  {'load':<24}{'one tok/s':>10}{'chain':>9}{'ratio':>7}{'TTFT one':>10}"
                 f"{'chain':>8}{'ITL p50 one':>12}{'chain':>7}{'p99 one':>9}{'chain':>7}"
@@ -278,6 +318,11 @@ def pinned(args: argparse.Namespace) -> None:
                     f"{med('chain', 'itl_p99_ms'):>7.1f}"
                     f"   (ratios per round: {', '.join(f'{x:.2f}' for x in ratios)})"
                 )
+            print("  where each process's time went (last round; stats.profile):")
+            for key, lines in busy.items():
+                print(f"  {key}")
+                for line in lines:
+                    print(line)
         finally:
             for p in procs:
                 p.terminate()
