@@ -269,7 +269,7 @@ class Harness:
         **cfg: float,
     ) -> None:
         self.rt = (FakeChainRuntime if chained else FakeRuntime)(lanes, ctx)
-        self.cfg = SchedulerConfig(**cfg)  # type: ignore[arg-type]
+        self.cfg = SchedulerConfig(prefill_chunk=prefill_chunk, **cfg)  # type: ignore[arg-type]
         self.sched = Scheduler(self.rt, self.cfg)  # type: ignore[arg-type]
         self.chunk = min(prefill_chunk, self.cfg.max_batch_tokens)  # as the service
         self.outbox = Outbox()
@@ -524,7 +524,8 @@ def test_no_forward_exceeds_the_token_budget() -> None:
     h.run()
     assert all(job.ticket.finished for job in jobs)
     assert not any(isinstance(o, Failure) for job in jobs for o in h.out(job))
-    assert max(h.rt.totals()) == 16  # the budget was binding
+    # the budget was binding: the atomic z (7) did not fit beside d, x and y (11)
+    assert h.rt.sessions_of(0) == ["d", "x", "y"] and "z" in h.rt.sessions_of(1)
     assert all(total <= 16 for total in h.rt.totals())
     assert all(len(row.tokens) <= 8 for call in h.rt.calls for row in call)
 
@@ -588,30 +589,50 @@ def test_a_turn_batches_decode_then_atomic_then_prefill() -> None:
     assert h.result(atomic)["positions"] == [2]
 
 
-def test_prefill_chunks_rotate_between_prefill_jobs() -> None:
-    h = Harness(lanes=2, max_batch_tokens=4, prefill_chunk=4)  # one chunk a turn
-    h.submit(h.prefill("p1", 16))
-    h.submit(h.prefill("p2", 16))
-    h.turn(6)
-    served = [h.rt.sessions_of(i) for i in range(6)]
-    assert all(len(s) == 1 for s in served)
-    order = [s[0] for s in served]
-    assert all(a != b for a, b in itertools.pairwise(order)), order
+def test_the_prompt_closest_to_done_is_prefilled_first() -> None:
+    """Shortest remaining prompt first: equal prompts go one after the other
+    (the first started is closer to done), a shorter one overtakes both."""
+    h = Harness(lanes=3, max_batch_tokens=64, prefill_chunk=4)
+    h.submit(h.prefill("p1", 12))
+    h.submit(h.prefill("p2", 12))
+    h.turn(2)
+    h.submit(h.prefill("short", 2))  # 2 left: fewer than p1's 4
+    h.turn(5)
+    order = [s for i in range(7) for s in h.rt.sessions_of(i)]
+    assert order == ["p1", "p1", "short", "p1", "p2", "p2", "p2"], order
 
 
-def test_prefill_rotation_stays_fair_while_streams_decode() -> None:
-    """With one chunk of budget left a turn, two prompts should take turns even
-    when running streams sit in the active list too."""
-    h = Harness(lanes=6, max_batch_tokens=8, prefill_chunk=4)
-    for _ in range(4):
+def test_while_prompts_wait_a_turn_carries_one_piece_beside_the_streams() -> None:
+    """Each turn finishes the next prompt (and starts its stream) instead of
+    carrying every prompt a little further; streams decode every turn."""
+    h = Harness(lanes=6, max_batch_tokens=64, prefill_chunk=8)
+    for _ in range(2):
         h.submit(h.generate(max_tokens=50))
-    h.turn()  # four streams decode from now on: 4 tokens a turn, 4 left for prefill
-    h.submit(h.prefill("p1", 40))
-    h.submit(h.prefill("p2", 40))
-    h.turn(6)
-    order = [s for i in range(1, 7) for s in h.rt.sessions_of(i) if s in ("p1", "p2")]
-    assert len(order) == 6
-    assert order.count("p1") == order.count("p2") == 3, order
+    h.turn()  # two streams decode from now on
+    gens = [h.submit(h.generate(prompt_len=8, max_tokens=50)) for _ in range(3)]
+    h.turn(3)
+    for i, gen in enumerate(gens, start=1):
+        prefill = [r for r in h.rt.calls[i] if len(r.tokens) > 1]
+        assert [len(r.tokens) for r in prefill] == [8]  # one prompt a turn ...
+        assert h.tokens(gen)  # ... whose first token is out at once
+        assert len(h.rt.calls[i]) == 2 + (i - 1) + 1  # beside every stream started so far
+
+
+def test_a_prompt_that_waited_long_goes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt is not starved by short ones arriving all the time."""
+    from worker.core import scheduler as sched_mod
+
+    h = Harness(lanes=4, max_batch_tokens=64, prefill_chunk=4)
+    long = h.submit(h.prefill("long", 40))
+    h.turn()
+    h.submit(h.prefill("s1", 4))
+    h.turn()
+    assert h.rt.sessions_of(1) == ["s1"]  # shorter first while the long one is young
+    monkeypatch.setattr(sched_mod, "PREFILL_AGE_S", 0.0)
+    h.submit(h.prefill("s2", 4))
+    h.turn()
+    assert h.rt.sessions_of(2) == ["long"]  # it has waited: it goes first
+    assert not h.out(long)
 
 
 # -- boost ---------------------------------------------------------------------

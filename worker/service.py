@@ -103,6 +103,7 @@ class LlmService:
                 cadence=cfg.cadence,
                 chain_credit=cfg.chain_credit,
                 pipeline_groups=cfg.pipeline_groups,
+                prefill_chunk=cfg.prefill_chunk,
                 max_sessions_per_peer=self.limits.max_sessions_per_peer,
                 max_streams_per_peer=self.limits.max_streams_per_peer,
             ),

@@ -8,8 +8,14 @@ then build one batch under the token budget:
    concurrent decodes from different peers coalesce into one forward);
 2. atomic batches (``decode_batch``, ``iteration_batch``), whole or not at
    all; one that did not fit goes first next turn;
-3. prefill pieces, round-robin across jobs, so a long prompt never holds
-   running streams for more than one piece.
+3. prefill pieces, the prompt closest to done first (shortest remaining
+   prompt first: the order that makes the mean time to first token
+   smallest), and while several prompts wait, one piece a turn: each turn
+   finishes the next prompt and starts its stream instead of carrying every
+   prompt a little further, and a long prompt never holds running streams
+   for more than one piece. A prompt that has waited ``PREFILL_AGE_S``
+   goes first whatever its length, so short ones arriving all the time
+   cannot starve it.
 
 A job whose next step must run alone (``Job.wants_exclusive``: an image
 decoded with non-causal attention, which llama.cpp applies to the whole
@@ -54,6 +60,8 @@ from .outcomes import Outcomes, SchedulerStats
 from .peers import PeerLimits
 
 _log = get_logger("skiff.scheduler")
+# A prompt waiting this long goes first, whatever its length (no starvation).
+PREFILL_AGE_S = 2.0
 _LAND_WAIT_MS = (
     20  # a stage with nothing to plan waits this long for the chain, then serves its socket
 )
@@ -70,6 +78,9 @@ class SchedulerConfig:
     # hosts: each stage computes one group while the next computes another);
     # 1 = decode rows wait to rejoin the streams in flight (shared cores).
     pipeline_groups: int = 1
+    # while several prompts wait, the prefill tokens of one turn (a piece):
+    # the shortest finishes and starts decoding, the others follow in turn
+    prefill_chunk: int = 128
     max_sessions_per_peer: int = 0  # named sessions one peer holds, admitted or queued; 0 = off
     max_streams_per_peer: int = 0  # generations one peer has queued or running; 0 = off
 
@@ -308,15 +319,15 @@ class Scheduler:
         owners: list[tuple[Job, int]] = []
         # Decode rows go in lane order, the same every turn: llama.cpp reuses
         # its compute graph when consecutive batches have the same layout, and
-        # a reshuffled batch measured ~35% slower per token. Prefill chunks
-        # rotate instead, so no prompt is always last in line for the budget.
+        # a reshuffled batch measured ~35% slower per token. Prefill pieces go
+        # shortest remaining prompt first (``_prefill_order``).
         ready = [j for j in self.active if not self.outcomes.aside(j)]
         exclusive = self._exclusive_turn(ready)
         if exclusive is not None:
             return exclusive
         ready = [j for j in ready if not j.wants_exclusive()]  # they wait for their turn
         stable = sorted(ready, key=self._first_lane)
-        rotated = self._rotated([j for j in ready if j.phase > PHASE_ATOMIC])
+        prefills = self._prefill_order([j for j in ready if j.phase > PHASE_ATOMIC])
         boosted = self._boost if self._boost in ready else None
         self._boost = None
         if boosted is not None:
@@ -327,7 +338,9 @@ class Scheduler:
         for phase in (PHASE_DECODE, PHASE_ATOMIC, None):
             if phase is None and allowance is not None:
                 budget = min(budget, allowance)  # the time left for prefill this turn
-            for job in stable if phase is not None else rotated:
+            if phase is None and len(prefills) > 1:
+                budget = min(budget, self.cfg.prefill_chunk)  # one piece: finish one prompt
+            for job in stable if phase is not None else prefills:
                 in_phase = job.phase == phase if phase is not None else job.phase > PHASE_ATOMIC
                 if boosted is job and phase is PHASE_DECODE:
                     in_phase = True  # the starved atomic job goes before everyone
@@ -365,7 +378,7 @@ class Scheduler:
             self._exclusive_last = False
             return None
         self._exclusive_last = True
-        job = self._rotated(wanting)[0]
+        job = wanting[self._turn % len(wanting)]  # media jobs take turns
         try:
             planned = job.plan(self.rt, self.cfg.max_batch_tokens)
         except Exception as exc:  # e.g. the projector failed to encode: this job only
@@ -378,11 +391,18 @@ class Scheduler:
         session = self.rt.lanes.get(job.sessions[0]) if job.sessions else None
         return session.lane if session is not None else self.rt.lanes.n_lanes
 
-    def _rotated(self, jobs: list[Job]) -> list[Job]:
-        if not jobs:
-            return []
-        k = self._turn % len(jobs)
-        return jobs[k:] + jobs[:k]
+    def _prefill_order(self, jobs: list[Job]) -> list[Job]:
+        """Prompts by tokens left to prefill, fewest first (ties: arrival);
+        those waiting ``PREFILL_AGE_S`` or more first of all, by arrival."""
+        now = time.monotonic()
+
+        def key(job: Job) -> tuple[int, int, float]:
+            arrived = job.ticket.received
+            if now - arrived >= PREFILL_AGE_S:
+                return (0, 0, arrived)
+            return (1, job.prefill_left(), arrived)
+
+        return sorted(jobs, key=key)
 
     def _finish(self, job: Job, exc: BaseException | None) -> None:
         """End a job (failing it with ``exc``), freeing its sessions for others."""

@@ -192,6 +192,11 @@ class Job:
         """Tokens this job wants in the next forward (atomic jobs only)."""
         return 0
 
+    def prefill_left(self) -> int:
+        """Prompt tokens still to prefill (the scheduler serves the fewest
+        first); 0 where a job does not say."""
+        return 0
+
     def wants_exclusive(self) -> bool:
         """True when the next ``plan`` must be the only work of its forward
         (media decoded with non-causal attention): the scheduler gives the

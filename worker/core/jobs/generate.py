@@ -146,6 +146,9 @@ class GenerateJob(Job):
         self.n_layer = rt.n_layer
         return False
 
+    def prefill_left(self) -> int:
+        return len(self.tokens) - self.done
+
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
         session = self.session
         assert session is not None

@@ -82,6 +82,9 @@ class PrefillJob(Job):
         rt.ensure_room(self.session, len(self.tokens) - self.done)
         return False
 
+    def prefill_left(self) -> int:
+        return len(self.tokens) - self.done
+
     def plan(self, rt: RuntimeState, budget: int) -> list[Step]:
         assert self.session is not None
         total = len(self.tokens)
