@@ -62,3 +62,38 @@ def test_pieces_are_cut_to_the_budget_but_not_into_crumbs() -> None:
     assert chunk_bounds(0, 300, 256, 10) == 0  # less than MIN_CUT waits
     assert chunk_bounds(290, 300, 256, 10) == 10  # unless that is all that is left
     assert chunk_bounds(295, 300, 256, 10) == 5
+
+
+def test_a_new_session_keeps_the_held_lanes_in_one_run() -> None:
+    """llama.cpp computes one micro-batch per run of consecutive lanes, each
+    reading every weight: a new session fills the gap, or joins the run,
+    even when that means evicting a cached lane rather than taking an empty
+    one far away."""
+    pool = LanePool(8, cache_limit=8)
+    sessions = pool.admit(["a", "b", "c", "d"])
+    assert [s.lane for s in sessions] == [0, 1, 2, 3]
+    pool.release("b")  # a hole at 1: lanes 0, 2, 3 held
+    (e,) = pool.admit(["e"])
+    assert e.lane == 1
+    # a cached lane next to the run beats an empty lane away from it
+    pool.release("d", keep=False)  # lanes 0, 1, 2 held, 3 .. 7 free
+    pool._cached[3] = [3]  # lane 3 caches a prefix
+    pool._free.remove(3)
+    (f,) = pool.admit(["f"])
+    assert f.lane == 3 and pool.take_evicted() == [3]
+    # equally good lanes: empty before cached, then the lowest
+    pool.release("f", keep=False)
+    pool.release("a", keep=False)  # lanes 1, 2 held; 0 and 3 both extend the run
+    (g,) = pool.admit(["g"])
+    assert g.lane == 0
+
+
+def test_among_lanes_as_good_an_empty_one_goes_before_a_cached_one() -> None:
+    pool = LanePool(4, cache_limit=4)
+    pool.admit(["a", "b"])  # lanes 0, 1
+    pool.release("a", keep=False)
+    pool._cached[3] = [7]  # lane 3 holds a cached prefix, lane 2 is empty
+    pool._free.remove(3)
+    (c,) = pool.admit(["c"])
+    assert c.lane in (0, 2)  # both keep one run with lane 1; neither is the cached 3
+    assert pool.cached == 1 and pool.take_evicted() == []

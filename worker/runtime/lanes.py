@@ -9,9 +9,18 @@ A lane without a session is free. It is either empty or *cached*: a dropped
 session's lane may keep its KV cells and remember their tokens (the prefix
 cache), so a later prompt that starts the same way can take the lane and
 prefill only what is new. Cached lanes are kept in LRU order, at most
-``cache_limit`` of them; a lane is taken from the empty ones first, then the
-least recently cached. Lanes the pool stops caching are listed in
+``cache_limit`` of them. Lanes the pool stops caching are listed in
 ``evicted`` for the runtime to clear before anyone uses them.
+
+Which lane a new session gets matters for speed: llama.cpp computes a batch
+as one micro-batch per run of consecutive lanes (each lane is a KV stream,
+and a micro-batch spans consecutive streams), and every micro-batch reads
+all the weights again. Measured on Gemma 3 270M, 4 decode rows on lanes
+0-3 took 35 ms, on lanes 0, 2, 5, 7 (four micro-batches) 58 ms, more than
+8 rows on lanes 0-7 (49 ms). So a new session takes the lane that leaves
+the held lanes in the fewest runs; among equals an empty lane before a
+cached one (its prefix may still be wanted), the least recently cached
+first, then the lowest.
 """
 
 from __future__ import annotations
@@ -60,6 +69,12 @@ class Session:
     last_logprobs: dict[str, Any] | None = None
 
 
+def runs(lanes: set[int]) -> int:
+    """Runs of consecutive numbers in ``lanes`` (llama.cpp's micro-batches
+    for a batch over them)."""
+    return sum(1 for lane in lanes if lane - 1 not in lanes)
+
+
 class LanePool:
     def __init__(self, n_lanes: int, cache_limit: int = 0) -> None:
         self.n_lanes = n_lanes
@@ -96,11 +111,18 @@ class LanePool:
         if prefer is not None and prefer in self._cached:
             del self._cached[prefer]
             return prefer
-        if self._free:
-            self._free.sort()
-            return self._free.pop(0)
-        lane, _ = self._cached.popitem(last=False)
-        self.evicted.append(lane)
+        held = {s.lane for s in self.sessions.values()}
+        order = {lane: rank for rank, lane in enumerate(self._cached)}  # LRU first
+
+        def key(lane: int) -> tuple[int, int, int]:
+            return (runs(held | {lane}), order.get(lane, -1), lane)
+
+        lane = min([*self._free, *self._cached], key=key)
+        if lane in self._cached:
+            del self._cached[lane]
+            self.evicted.append(lane)
+        else:
+            self._free.remove(lane)
         return lane
 
     @property
