@@ -9,18 +9,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol import Client, SkiffError, sockets
+from protocol import Client, SkiffError, sockets, transport
 from worker.models import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -252,3 +253,37 @@ def decode_run(
         rows.append(np.array(reply.frame.array("logits")[0]))
         out.append(int(reply.result["token"]))
     return out, np.stack(rows)
+
+
+class FakeUpstream:
+    """A ROUTER answering ``ping`` and scripting replies to everything else."""
+
+    def __init__(self, endpoint: str, script: Callable[[dict[str, Any]], list[dict[str, Any]]]):
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.bind(endpoint)
+        self.script = script
+        self.ops: list[str] = []
+        self.running = True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.running:
+            if not self.sock.poll(50):
+                continue
+            peer, raw = self.sock.recv_multipart()[:2]
+            req = transport.decode(raw)
+            self.ops.append(req["op"])
+            base = {"v": 1, "id": req["id"]}
+            replies: list[dict[str, Any]] = [{"ok": True, "result": {"pong": True}}]
+            if req["op"] != "ping":
+                replies = self.script(req)
+            for reply in replies:
+                buffers: list[bytes] = reply.pop("_buffers", [])  # raw frames after the header
+                self.sock.send_multipart([peer, transport.encode({**base, **reply}), *buffers])
+
+    def close(self) -> None:
+        if self.running:
+            self.running = False
+            self.thread.join()
+            self.sock.close(linger=0)

@@ -15,7 +15,7 @@ import base64
 import http.client
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,11 @@ import pytest
 import zmq
 from openai.types.chat import ChatCompletionMessageParam
 
-from conftest import WAIT_S, wait_until
+from conftest import WAIT_S, FakeUpstream, wait_until
 from gateway.openai.errors import ApiError, from_fault
 from gateway.openai.http import HttpFront
 from gateway.openai.shapes import plan_chat, plan_completion
-from protocol import Client, transport
+from protocol import Client
 from protocol.envelope import error_reply, fault_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,39 +315,6 @@ def test_bad_requests_are_400_and_unknown_things_404(oai: openai.OpenAI, front: 
     assert resp.status == 405 and resp.getheader("Allow") == "POST"
     assert json.loads(resp.read())["error"]["code"] == "method_not_allowed"
     conn.close()
-
-
-class FakeUpstream:
-    """A ROUTER answering ``ping`` and scripting replies to everything else."""
-
-    def __init__(self, endpoint: str, script: Callable[[dict[str, Any]], list[dict[str, Any]]]):
-        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.bind(endpoint)
-        self.script = script
-        self.ops: list[str] = []
-        self.running = True
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while self.running:
-            if not self.sock.poll(50):
-                continue
-            peer, raw = self.sock.recv_multipart()
-            req = transport.decode(raw)
-            self.ops.append(req["op"])
-            base = {"v": 1, "id": req["id"]}
-            replies = [{"ok": True, "result": {"pong": True}}]
-            if req["op"] != "ping":
-                replies = self.script(req)
-            for reply in replies:
-                self.sock.send_multipart([peer, transport.encode({**base, **reply})])
-
-    def close(self) -> None:
-        if self.running:
-            self.running = False
-            self.thread.join()
-            self.sock.close(linger=0)
 
 
 def _fail(code: str, retry_ms: int | None = None) -> dict[str, Any]:

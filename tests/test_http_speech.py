@@ -28,15 +28,14 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-import zmq
 
-from conftest import WAIT_S, wait_until
+from conftest import WAIT_S, FakeUpstream, wait_until
 from gateway.config import GatewayConfig
 from gateway.openai.errors import ApiError
 from gateway.openai.http import HttpFront
 from gateway.openai.media import speech_plan
 from gateway.runner import Gateway
-from protocol import Client, transport
+from protocol import Client
 
 pytest.importorskip("piper")
 from test_speech import normalise, speech_like, transcribe
@@ -219,50 +218,21 @@ def test_hanging_up_cancels_the_synthesis(
 # -- failures, from a scripted upstream ------------------------------------------------
 
 
-class ScriptedSpeech:
-    """A ROUTER that answers ``ping`` and each ``synthesize`` by the text: ``busy``
-    is ``queue_full``; anything else one audio event (4 samples), then ``internal``."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.bind(endpoint)
-        self.running = True
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while self.running:
-            if not self.sock.poll(50):
-                continue
-            peer, raw = self.sock.recv_multipart()[:2]
-            req = transport.decode(raw)
-            base = {"v": 1, "id": req["id"]}
-            if req["op"] == "ping":
-                self.sock.send_multipart([peer, transport.encode({**base, "ok": True})])
-            elif req["op"] == "synthesize":
-                if req["args"]["text"] == "busy":
-                    error = {"code": "queue_full", "message": "full", "retry_after_ms": 1500}
-                    self.sock.send_multipart(
-                        [peer, transport.encode({**base, "ok": False, "error": error})]
-                    )
-                    continue
-                event = {"ok": True, "event": "audio", "seq": 0, "samples": 4, "sample_rate": 8000}
-                self.sock.send_multipart(
-                    [peer, transport.encode({**base, **event}), b"\x01\x00" * 4]
-                )
-                error = {"code": "internal", "message": "scripted internal"}
-                self.sock.send_multipart(
-                    [peer, transport.encode({**base, "ok": False, "error": error})]
-                )
-
-    def close(self) -> None:
-        self.running = False
-        self.thread.join()
-        self.sock.close(linger=0)
+def scripted_speech(req: dict[str, Any]) -> list[dict[str, Any]]:
+    """``synthesize`` by the text: ``busy`` is ``queue_full``; anything else one
+    audio event (4 samples), then ``internal``."""
+    if req["op"] != "synthesize":
+        return [{"ok": True, "result": {}}]
+    if req["args"]["text"] == "busy":
+        return [{"ok": False, "error": {"code": "queue_full", "message": "full",
+                                        "retry_after_ms": 1500}}]  # fmt: skip
+    audio = {"ok": True, "event": "audio", "seq": 0, "samples": 4, "sample_rate": 8000}
+    error = {"code": "internal", "message": "scripted internal"}
+    return [{**audio, "_buffers": [b"\x01\x00" * 4]}, {"ok": False, "error": error}]
 
 
 def test_failures_before_and_after_the_first_audio(tmp_path: Path) -> None:
-    fake = ScriptedSpeech(f"ipc://{tmp_path}/fake.sock")
+    fake = FakeUpstream(f"ipc://{tmp_path}/fake.sock", scripted_speech)
     http_front = HttpFront(f"ipc://{tmp_path}/fake.sock")
     http_front.start("127.0.0.1", 0)
     oai = openai.OpenAI(
