@@ -40,6 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_moves import cpu_flags  # noqa: E402
 
 from protocol import Client  # noqa: E402
 
@@ -141,15 +144,6 @@ def run(setup: Setup, tmp: Path, args: argparse.Namespace) -> tuple[list[float],
             p.terminate()
         for p in procs:
             p.wait(60)
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next(
-        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
-    )
-    keep = [f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
-    return " ".join(sorted(set(keep)))
 
 
 def main() -> None:
