@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from faults import BadRequest
 
-from ..limits import Limits, check
+from ..limits import Limits, exceeded
 from ..spec import (
     DEFAULT_DRY_BREAKERS,
     DEFAULT_SAMPLERS,
@@ -61,7 +61,8 @@ class LogitBias(Field):
     def read(self, where: str, value: Any, ctx: Context) -> tuple[tuple[int, float], ...]:
         if not isinstance(value, list):
             raise BadRequest(f"{where} must be a list of {{token, bias}} maps")
-        check(len(value), ctx.limits.max_logit_bias, "max_logit_bias", f"{where} has {{n}} entries")
+        if len(value) > (most := ctx.limits.max_logit_bias):
+            raise exceeded(f"{where} has {len(value)} entries", most, "max_logit_bias")
         out: list[tuple[int, float]] = []
         for i, item in enumerate(value):
             at = f"{where}[{i}]"
@@ -102,7 +103,8 @@ def _grammar_bytes(text: str, where: str, most: int) -> None:
     bytes, so short text is not encoded to count."""
     if 4 * len(text) > most:
         n = len(text.encode(errors="replace"))
-        check(n, most, "max_grammar_bytes", f"{where} is {{n}} bytes")
+        if n > most:
+            raise exceeded(f"{where} is {n} bytes", most, "max_grammar_bytes")
 
 
 @dataclass(frozen=True)

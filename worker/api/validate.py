@@ -4,7 +4,9 @@ Each helper names the offending field in its message so a client can fix
 its request without reading our source. A well-formed value over one of the
 worker's ``Limits`` is ``limit_exceeded`` instead, naming the limit's flag
 (``worker/limits.py``), so a client can tell "fix the request" from "this
-worker is configured smaller". msgpack gives us plain Python values; note
+worker is configured smaller". A kind carries the name of the limit it is
+held to and compares against it in the same pass (``worker/limits.py`` is
+entered only to word the error, when a value is over). msgpack gives us plain Python values; note
 that ``bool`` is an ``int`` subclass and must be refused where an integer is
 expected. A value is checked for its type before anything else touches it
 (a peer may send any nesting of maps and lists). Fields are declared as
@@ -26,7 +28,7 @@ from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import frame_limits, frames
 from protocol.envelope import MAX_SESSION_CHARS
 
-from ..limits import Limits, check, flag
+from ..limits import Limits, exceeded, flag
 from ..spec import GrammarChecker
 
 _DEFAULT_LIMITS = Limits()
@@ -42,14 +44,16 @@ class Field:
     """One field's rule in a request's table: its type, range and limit.
 
     ``read_fields`` walks a table once: an absent field (or a ``nil`` one,
-    where ``nil_ok``) takes ``default`` (``REQUIRED``: ``bad_request``);
-    a present one is ``read(where, value, ctx)``, where ``where`` names it
-    as the client wrote it (``sampling.top_k``) and ``ctx`` carries what a
-    rule needs of the worker (its limits, vocabulary, grammar checker).
+    where ``nil_ok``) takes ``default`` (``REQUIRED``: ``bad_request``, as
+    ``missing`` words it); a present one is ``read(where, value, ctx)``,
+    where ``where`` names it as the client wrote it (``sampling.top_k``) and
+    ``ctx`` carries what a rule needs of the worker (its limits, vocabulary,
+    grammar checker) and of the request (its buffers).
     """
 
     default: Any = None
     nil_ok: bool = False
+    missing: str = "is required"  # what an absent ``REQUIRED`` field is told
 
     def read(self, where: str, value: Any, ctx: Context) -> Any:
         raise NotImplementedError
@@ -60,12 +64,23 @@ REQUIRED: Any = object()
 
 @dataclass(frozen=True)
 class Context:
-    """What the rules of a table need of the worker."""
+    """What the rules of a table need of the worker, and of the request
+    beyond its header: the buffers a media item names by index, and the
+    projector's marker an image part of a chat message becomes."""
 
     limits: Limits = _DEFAULT_LIMITS
     n_vocab: int = 1 << 31
     grammars: GrammarChecker | None = None
     cells: int = 1 << 31  # of one lane: what a session can hold
+    buffers: Sequence[memoryview] = ()  # the request's extra buffers
+    marker: str = ""  # the projector's media marker ("": no projector)
+
+    def carrying(self, buffers: Sequence[memoryview], marker: str) -> Context:
+        """This context for one request: its buffers and the projector's marker
+        (itself when the request brings neither and the marker is unchanged)."""
+        if not buffers and marker == self.marker:
+            return self
+        return dataclasses.replace(self, buffers=buffers, marker=marker)
 
 
 NO_CONTEXT = Context()
@@ -90,8 +105,8 @@ class Int(Field):
             raise BadRequest(f"{where} must be >= {self.lo}")
         if self.hi is not None and value > self.hi:
             raise BadRequest(f"{where} must be <= {self.hi}")
-        if self.most is not None:
-            check(value, getattr(ctx.limits, self.most), self.most, f"{where} is {value}")
+        if self.most is not None and value > (most := getattr(ctx.limits, self.most)):
+            raise exceeded(f"{where} is {value}", most, self.most)
         return value
 
 
@@ -114,7 +129,8 @@ class Num(Field):
 
 @dataclass(frozen=True)
 class Bool(Field):
-    default: bool = False
+    default: bool | None = False
+    nil_ok: bool = False  # True: nil takes the default (``add_special``: None = BOS when fresh)
 
     def read(self, where: str, value: Any, ctx: Context) -> bool:
         if not isinstance(value, bool):
@@ -164,14 +180,12 @@ class Stops(Field):
         if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
             raise BadRequest(f"{where} must be a list of non-empty strings")
         limits = ctx.limits
-        check(len(value), limits.max_stops, "max_stops", f"{where} has {{n}} strings")
+        if len(value) > limits.max_stops:
+            raise exceeded(f"{where} has {len(value)} strings", limits.max_stops, "max_stops")
         for i, s in enumerate(value):
-            check(
-                len(s),
-                limits.max_stop_chars,
-                "max_stop_chars",
-                f"{where}[{i}] has {{n}} characters",
-            )
+            if len(s) > limits.max_stop_chars:
+                what = f"{where}[{i}] has {len(s)} characters"
+                raise exceeded(what, limits.max_stop_chars, "max_stop_chars")
         return tuple(value)
 
 
@@ -253,7 +267,7 @@ def read_fields(
         value = raw.get(name)
         if value is None and (rule.nil_ok or name not in raw):
             if rule.default is REQUIRED:
-                raise BadRequest(f"{prefix}{name} is required")
+                raise BadRequest(f"{prefix}{name} {rule.missing}")
             out[name] = rule.default
         else:
             out[name] = rule.read(prefix + name, value, ctx)
@@ -314,8 +328,8 @@ def check_request_tokens(count: int, name: str, cells: int, most: int) -> None:
     """Tokens one request brings: over ``most`` (``--max-request-tokens``, when
     it is the tighter bound) is ``limit_exceeded``, over a lane's ``cells``
     ``context_overflow``."""
-    if most < cells:
-        check(count, most, "max_request_tokens", f"{name} has {{n}} tokens")
+    if most < cells and count > most:
+        raise exceeded(f"{name} has {count} tokens", most, "max_request_tokens")
     if count > cells:
         raise ContextOverflow(
             f"{name} has {count} tokens; a session holds at most {cells} (context_overflow)"
