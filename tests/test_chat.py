@@ -14,7 +14,7 @@ from edge import Request
 from faults import BadRequest
 from protocol import Client, SkiffError
 from worker.api.generate import h_chat
-from worker.api.media import get_messages
+from worker.api.messages import read_messages
 from worker.api.validate import Context
 from worker.core.chat import FALLBACK_TEMPLATE, ChatJob, ChatTemplate
 from worker.limits import Limits
@@ -139,7 +139,7 @@ def test_template_errors_are_bad_requests() -> None:
 )
 def test_messages_validation(messages: Any, field: str) -> None:
     with pytest.raises(BadRequest, match=field):
-        get_messages({"messages": messages}, max_chars=1000)
+        read_messages(messages, max_chars=1000)
 
 
 def test_chat_job_gets_the_end_of_turn_stop() -> None:
@@ -155,6 +155,7 @@ def test_chat_job_gets_the_end_of_turn_stop() -> None:
         limits=Limits().resolved(2048),
         context=Context(Limits().resolved(2048), n_vocab=1000),
         prompt_limit=0,
+        projector=None,
         draining=False,
         chunk=256,
         ticket=lambda req: SimpleNamespace(id=req.id),

@@ -23,7 +23,7 @@ from conftest import start_worker, stop_worker, tidy_client
 from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import Client, SkiffError, frame_limits, frames
 from worker import config
-from worker.api.media import get_messages
+from worker.api.messages import read_messages
 from worker.api.sampling import get_sampling
 from worker.api.validate import (
     Context,
@@ -135,9 +135,9 @@ def test_request_tokens_then_context_overflow() -> None:
 
 def test_chat_messages_count() -> None:
     one = [{"role": "user", "content": "hi"}]
-    assert get_messages({"messages": one}, 100, SMALL.max_messages) == one
+    assert read_messages(one, 100, SMALL.max_messages) == one
     with _limit(r"^messages has 2 entries; the limit is 1 \(--max-messages\)$"):
-        get_messages({"messages": one * 2}, 100, SMALL.max_messages)
+        read_messages(one * 2, 100, SMALL.max_messages)
 
 
 def _frame(*arrays: np.ndarray) -> tuple[dict[str, Any], list[Any]]:

@@ -10,7 +10,7 @@ import pytest
 
 from edge import Request
 from faults import BadRequest, Unsupported
-from worker.api import generate, tensors
+from worker.api import generate, jobs, tensors
 from worker.api.app import App
 from worker.api.requests import Speculation
 from worker.api.validate import Context
@@ -20,7 +20,8 @@ from worker.limits import Limits
 def _app() -> App:
     limits = Limits().resolved(1024)
     context = Context(limits, n_vocab=100)
-    return cast(App, SimpleNamespace(limits=limits, n_vocab=100, grammars=None, context=context))
+    fields = {"limits": limits, "n_vocab": 100, "grammars": None, "context": context}
+    return cast(App, SimpleNamespace(**fields, projector=None))
 
 
 def _req(args: dict[str, Any], session: str | None = None) -> Request:
@@ -32,6 +33,7 @@ def test_a_generation_is_read_into_typed_fields() -> None:
         _app(),
         _req(
             {
+                "prompt": "x",
                 "max_tokens": 7,
                 "stop": ["x"],
                 "stop_tokens": [3, 4],
@@ -47,13 +49,14 @@ def test_a_generation_is_read_into_typed_fields() -> None:
     assert (gen.top_logprobs, gen.stream, gen.spec) == (2, False, None)
     assert gen.speculation == Speculation("prompt_lookup", 8, 2)
     with pytest.raises(BadRequest, match=r"speculative\.path"):
-        generate.read_generation(_app(), _req({"speculative": {"mode": "draft_model", "path": 1}}))
+        bad = {"prompt": "x", "speculative": {"mode": "draft_model", "path": 1}}
+        generate.read_generation(_app(), _req(bad))
 
 
 def test_the_worker_decides_what_a_typed_request_may_use() -> None:
     app = cast(App, SimpleNamespace(draft=None))
     with pytest.raises(Unsupported, match="no draft model"):
-        generate._drafter(app, Speculation("draft_model", 4))
+        jobs._drafter(app, Speculation("draft_model", 4))
 
 
 def test_a_stage_checks_each_sampling_map_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,8 +16,7 @@ from gateway.openai.errors import ApiError
 from gateway.openai.shapes import plan_chat
 from gateway.openai.toolcalls import CallArgs, CallScanner, CallStart, Content, Event, collect
 from gateway.openai.tools import plan_tools
-from worker.api.media import get_messages
-from worker.api.tools import read_tools
+from worker.api.messages import read_messages, read_tools
 from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
 from worker.core.tools import PREAMBLE
 
@@ -356,8 +355,8 @@ def test_a_template_with_tools_renders_them_itself() -> None:
 
 
 def test_worker_validates_tools_and_tool_turns() -> None:
-    assert read_tools({}) is None and read_tools({"tools": []}) is None
-    assert read_tools({"tools": [WEATHER]}) == [WEATHER]
+    assert read_tools(None) is None and read_tools([]) is None
+    assert read_tools([WEATHER]) == [WEATHER]
     for bad in (
         [{"type": "function"}],
         [{"type": "function", "function": {"name": ""}}],
@@ -365,8 +364,8 @@ def test_worker_validates_tools_and_tool_turns() -> None:
         [ADD, ADD],
     ):
         with pytest.raises(BadRequest, match="tools"):
-            read_tools({"tools": bad})
-    got = get_messages({"messages": ROUND_TRIP}, max_chars=10_000)
+            read_tools(bad)
+    got = read_messages(ROUND_TRIP, max_chars=10_000)
     assert got[1]["tool_calls"] == ROUND_TRIP[1]["tool_calls"] and got[2]["tool_call_id"] == "a"
     for bad_msg in (
         {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]},
@@ -378,4 +377,4 @@ def test_worker_validates_tools_and_tool_turns() -> None:
         {"role": "assistant", "content": None},
     ):
         with pytest.raises(BadRequest, match=r"messages\[0\]"):
-            get_messages({"messages": [bad_msg]}, max_chars=10_000)
+            read_messages([bad_msg], max_chars=10_000)

@@ -4,7 +4,7 @@
 provides it), ``Handler`` the type of one op's handler, and ``_sampling`` /
 ``_tokens`` read the ``sampling`` map and a session-bound token list with
 the worker's limits. Kept apart from ``handlers.py`` so the handler modules
-(``handlers``, ``generate``, ``tensors``, ``media``) share them without
+(``handlers``, ``generate``, ``jobs``, ``media``, ``tensors``) share them without
 importing each other in a circle.
 """
 

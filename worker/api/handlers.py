@@ -9,8 +9,9 @@ its ticket). ``info`` on a stage with a next stage is a job too: the rest
 of the chain answers in a later turn. Handlers never touch the socket or llama.cpp beyond the
 engine's tokenizer.
 
-The generation ops (``generate``, ``chat``) are in ``generate.py`` and
-``media.py`` (one handler each, with or without media); the ``App``
+``prefill_media`` reads its header in one pass over ``PREFILL_MEDIA`` and
+asks ``media.py`` for the decoded prompt. The generation ops (``generate``,
+``chat``) are in ``generate.py`` (one handler each, with or without media); the ``App``
 protocol, the ``Handler`` type and the shared readers in ``app.py``;
 ``ops.py`` joins the tables into the service's one op table.
 """
@@ -28,6 +29,7 @@ from faults import BadRequest, Fault
 from protocol.envelope import Op
 
 from ..core.jobs.batch import AtomicBatchJob, BatchEntry
+from ..core.jobs.media import MediaPrefillJob
 from ..core.jobs.session import (
     DecodeJob,
     InfoJob,
@@ -36,7 +38,13 @@ from ..core.jobs.session import (
     VerifyJob,
 )
 from .app import App, Handler, _sampling, _tokens
+from .media import MediaItems, media_prompt, projector_of
+from .sampling import Sampling
 from .validate import (
+    OUTPUTS,
+    Bool,
+    Field,
+    Str,
     check_logit_rows,
     check_request_tokens,
     check_session,
@@ -48,6 +56,8 @@ from .validate import (
     get_session,
     get_str,
     get_tokens,
+    outputs_of,
+    read_fields,
 )
 
 
@@ -149,6 +159,40 @@ def h_prefill(app: App, req: Request) -> dict[str, Any] | None:
 
 def h_prefill_sampled(app: App, req: Request) -> dict[str, Any] | None:
     _prefill(app, req, sampled=True)
+    return None
+
+
+# ``prefill_media``'s fields; its prompt is held to a lane's characters.
+PREFILL_MEDIA: dict[str, Field] = {
+    **OUTPUTS,
+    "sampling": Sampling(),
+    "add_special": Bool(None, nil_ok=True),  # None: BOS when the session is empty
+    "parse_special": Bool(False),
+    "media": MediaItems(),
+}
+
+
+def h_prefill_media(app: App, req: Request) -> dict[str, Any] | None:
+    """``prefill_media``: a text prompt with one marker per media item into a
+    session, then a sampled token (``output`` may only be ``["hidden"]``)."""
+    projector_of(app)  # no projector: unsupported, whatever else is wrong
+    session = get_session(req.session)
+    table = {"prompt": Str(max_len=app.rt.ctx_per_lane * 64), **PREFILL_MEDIA}
+    got = read_fields(req.args, table, app.context.carrying(req.buffers, ""))
+    outputs = outputs_of(req.args, got)
+    if "logits" in outputs:
+        raise BadRequest("prefill_media output may only be ['hidden'] (the sampled token is given)")
+    prompt = media_prompt(
+        app, got["prompt"], got["media"], "prompt", got["add_special"], got["parse_special"]
+    )
+    try:
+        spec, limit = got["sampling"], app.prompt_limit
+        app.submit(
+            MediaPrefillJob(app.ticket(req), session, prompt, app.chunk, spec, outputs, limit)
+        )
+    except BaseException:
+        prompt.close()
+        raise
     return None
 
 
@@ -302,6 +346,7 @@ HANDLERS: dict[str, Handler] = {
     Op.DETOKENIZE: h_detokenize,
     Op.PREFILL: h_prefill,
     Op.PREFILL_SAMPLED: h_prefill_sampled,
+    Op.PREFILL_MEDIA: h_prefill_media,
     Op.DECODE: h_decode,
     Op.DECODE_BATCH: h_decode_batch,
     Op.ITERATION_BATCH: h_iteration_batch,

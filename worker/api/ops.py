@@ -1,9 +1,9 @@
 """The worker's one op table: every op to exactly one handler.
 
 The handlers live by op family (``handlers.py`` the model-level ops,
-``generate.py`` the generations, ``media.py`` ``prefill_media``,
-``tensors.py`` the tensor and state ops); this joins them and refuses an op defined twice, so no
-family can silently shadow another's handler.
+``generate.py`` the generations, ``tensors.py`` the tensor and state
+ops); this joins them and refuses an op defined twice, so no family can
+silently shadow another's handler.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from .app import Handler
 from .generate import GENERATE_HANDLERS
 from .handlers import HANDLERS
-from .media import MEDIA_HANDLERS
 from .tensors import TENSOR_HANDLERS
 
 
@@ -28,4 +27,4 @@ def join(*tables: Mapping[str, Handler]) -> dict[str, Handler]:
     return out
 
 
-OPS: dict[str, Handler] = join(HANDLERS, GENERATE_HANDLERS, TENSOR_HANDLERS, MEDIA_HANDLERS)
+OPS: dict[str, Handler] = join(HANDLERS, GENERATE_HANDLERS, TENSOR_HANDLERS)
