@@ -105,6 +105,9 @@ class _Scheduler:
     def cancel(self, peer: object, target: object) -> bool:
         return False
 
+    def suspend(self, peer: object, target: object) -> bool:
+        return False
+
 
 class FakeApp:
     """The ``handlers.App`` protocol over a fake engine; submitted jobs are dropped."""

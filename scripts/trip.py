@@ -39,7 +39,8 @@ def _profile(frame: FrameType, event: str, arg: Any) -> None:
     if event != "call" or not _recording.is_set():
         return
     name = frame.f_code.co_filename
-    if name.startswith(str(ROOT)) and name not in _seen:
+    # .venv lives under the repository: its site-packages are not skiff's modules
+    if name.startswith(str(ROOT)) and "site-packages" not in name and name not in _seen:
         _seen[name] = len(_seen)
 
 
