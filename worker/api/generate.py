@@ -136,7 +136,8 @@ GENERATION: Final[dict[str, Field]] = {
     "resume": _Resume(),
     "media": MediaItems(),
 }
-# ``chat``: its messages (and tools) instead of a prompt, read in the same pass.
+# ``chat``: its tools and messages instead of a prompt, read in the same pass,
+# and its ``media`` after them (a chat's image parts are read with its messages).
 _PROMPTS = ("prompt", "tokens", "media")
 CHAT: Final[dict[str, Field]] = {
     **{name: rule for name, rule in GENERATION.items() if name not in _PROMPTS},
