@@ -24,10 +24,14 @@ class Host(Protocol):
     affinity: AffinityTable
     ledger: Ledger
     held: dict[str, list[Request]]  # sessions being moved -> requests waiting for them
-    forwarded: int
     streams_moved: int  # streams a drain suspended on one worker and resumed on another
     started: float
     draining: bool  # SIGTERM: relaying accepted work, refusing new
+
+    @property
+    def forwarded(self) -> int:
+        """Client requests sent on to a worker (``gateway/forward.py``)."""
+        ...
 
     def busy(self, session: str) -> bool:
         """A request naming ``session`` is in flight."""

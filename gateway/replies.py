@@ -134,6 +134,11 @@ class Replies:
         (a restarted gateway finds them; parked ones are listed too)."""
         if worker.kind != LLM:
             return
+        if stats.get("draining") is True and worker.up and not worker.drained:
+            # SIGTERM: a worker holding no named session has no peer to tell
+            # ``leaving``; its streams move all the same (a drain already
+            # running for it goes on, Drainer.leaving does nothing then).
+            self.drainer.leaving(worker)
         listed = [
             str(s.get("session"))
             for s in stats.get("sessions") or ()

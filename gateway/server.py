@@ -3,13 +3,10 @@
 Clients speak the ordinary skiff protocol to the gateway's ROUTER (the edge
 checks every envelope and limit). Per request the gateway:
 
-1. picks a worker: the session's (affinity), else the routing policy's
-   (``gateway/router.py``); speech ops go to the least busy speech worker;
-2. gives it a gateway-unique id (clients choose their own ids, so two
-   clients' ids may collide) and forwards ``[header, *buffers]``: only the
-   header is encoded again, the buffer frames are the received ZeroMQ
-   frames sent on with ``copy=False``;
-3. maps each reply and stream event back (``gateway/replies.py``): decode
+1. picks a worker (the session's, else the routing policy's), gives the
+   request a gateway-unique id and forwards ``[header, *buffers]``, the
+   buffer frames untouched (``gateway/forward.py``);
+2. maps each reply and stream event back (``gateway/replies.py``): decode
    the header, put the client's id back, send it with the worker's buffer
    frames untouched.
 
@@ -32,22 +29,16 @@ from typing import Any
 import zmq
 
 from edge import EdgeServer, Handler, Outgoing, Request, failure_header, logs
-from faults import (
-    BadRequest,
-    Cancelled,
-    DeadlineExceeded,
-    Fault,
-    LimitExceeded,
-    WorkerUnavailable,
-)
-from protocol.envelope import VERSION, ok_reply
+from faults import BadRequest, Cancelled, Fault
+from protocol.envelope import ok_reply
 
 from .affinity import AffinityTable
 from .config import GatewayConfig
 from .drain import Drainer
+from .forward import Forwarder
 from .ledger import Ledger
 from .metrics import GatewayMetrics
-from .ops import SPEECH_OPS, OpTable, sessions_of
+from .ops import OpTable
 from .placement import Placer
 from .pool import LLM, Pool, WorkerConn
 from .relay import Relay
@@ -62,11 +53,6 @@ _log = logs.get_logger("skiff.gateway")
 _DRAIN_OPS = frozenset({"gateway_status"})
 
 TICK_S = 0.05
-STREAM_OPS = frozenset({"generate", "chat"})  # streams a drain can move mid-way
-
-
-class _NotSent(WorkerUnavailable):
-    """The worker's socket refused the message (no live connection, or full)."""
 
 
 class GatewayService:
@@ -102,15 +88,23 @@ class GatewayService:
         self.placer = Placer(self.pool, self.affinity, self.router)
         self.ledger = Ledger(self.affinity)
         self.held: dict[str, list[Request]] = {}  # sessions being moved -> waiting requests
+        self.forwarder = Forwarder(
+            self.pool,
+            self.placer,
+            self.ledger,
+            self.affinity,
+            self.held,
+            self.ids,
+            metrics,
+            cfg.max_inflight_per_client,
+        )
         self.drainer = Drainer(self)
         self.started = time.monotonic()
-        self.forwarded = 0
         self.streams_moved = 0
         self._out: list[Outgoing] = []
         self.ready: set[zmq.Socket[Any]] = set()  # worker sockets the last poll found readable
         self._next_tick = 0.0
         self.draining = False  # SIGTERM: relaying accepted work, refusing new
-        self.trusted: set[bytes] = set()  # peers the per-client limit spares (trust_peer)
         local: dict[str, Handler] = {
             "ping": lambda req: {"pong": True},
             "info": lambda req: gateway_info(self),
@@ -119,7 +113,7 @@ class GatewayService:
             "gateway_status": lambda req: gateway_status(self),
             "gateway_drain": self._drain,
         }
-        self._handlers = OpTable(local, self._forward)
+        self._handlers = OpTable(local, self.forwarder.forward)
         # Worker -> client. Until attach() gives it a relay, replies go via the edge.
         self.replies = Replies(
             self.ledger,
@@ -137,8 +131,12 @@ class GatewayService:
         many clients' requests: the per-client limit does not apply to it.
         Random, so no outside client can claim it."""
         peer = b"\0front-" + os.urandom(16)
-        self.trusted.add(peer)
+        self.forwarder.trusted.add(peer)
         return peer
+
+    @property
+    def forwarded(self) -> int:
+        return self.forwarder.forwarded
 
     def attach(self, edge: EdgeServer) -> None:
         """Send forwarded replies straight on ``edge``'s socket (the hot path)."""
@@ -233,83 +231,7 @@ class GatewayService:
     ) -> None:
         self.replies.reply(w, header, buffers, size)
 
-    # -- client -> worker -----------------------------------------------------------
-
-    def _forward(self, req: Request) -> dict[str, Any] | None:
-        limit = self.cfg.max_inflight_per_client
-        if (
-            limit
-            and self.ledger.per_client.get(req.peer, 0) >= limit
-            and req.peer not in self.trusted
-        ):
-            raise LimitExceeded(
-                f"this client has {limit} requests in flight; the limit is {limit} "
-                "(--max-inflight-per-client)",
-                retry_after_ms=100,
-            )
-        if req.op in SPEECH_OPS:
-            self._dispatch(req, self.placer.speech_worker(), (), placed=False)
-            return None
-        sessions = sessions_of(req)
-        for s in sessions:
-            waiting = self.held.get(s)
-            if waiting is not None:
-                waiting.append(req)  # its session is moving; sent on when it lands
-                return None
-            lost = self.affinity.lost_on(s)
-            if lost is not None and self.affinity.worker_of(s) is None:
-                if req.op == "drop":  # the client lets it go: the name is free again
-                    self.affinity.forget_lost(s)
-                    return {}
-                raise WorkerUnavailable(
-                    f"session {s!r} was on worker {lost}, which went down: its state is "
-                    "lost; drop it to start a new session of that name"
-                )
-        worker, placed, chosen = self.placer.place(req, sessions)
-        try:
-            self._dispatch(req, worker, sessions, placed)
-        except _NotSent:
-            # Its connection just went (ZMQ_IMMEDIATE refused the send): let the
-            # monitor say so, and give new work one more choice among the others.
-            self.pool.monitor_events(worker)
-            if not chosen:
-                raise
-            worker, placed, _ = self.placer.place(req, sessions, exclude=worker)
-            self._dispatch(req, worker, sessions, placed)
-        return None
-
-    def _dispatch(
-        self, req: Request, w: WorkerConn, sessions: tuple[str, ...], placed: bool
-    ) -> None:
-        """Send ``req`` to ``w`` under a gateway id; raises a Fault when it cannot."""
-        gid = next(self.ids)
-        header: dict[str, Any] = {"v": VERSION, "id": gid, "op": req.op}
-        if req.session is not None:
-            header["session"] = req.session
-        if req.args:
-            header["args"] = req.args
-        if req.deadline is not None:
-            left = int((req.deadline - time.monotonic()) * 1000)
-            if left <= 0:
-                if placed:
-                    self.ledger.unplace(w, sessions)
-                raise DeadlineExceeded("deadline_ms passed before a worker was free")
-            header["deadline_ms"] = left
-        sent = self.pool.send(w, header, req.buffers)
-        if not sent:
-            if placed:
-                self.ledger.unplace(w, sessions)
-            raise _NotSent(f"worker {w.name} is not accepting requests")
-        rec = self.ledger.open(gid, req.peer, req.id, req.op, w, sessions, placed)
-        if placed or not sessions:
-            rec.retry = req
-        if req.op in STREAM_OPS and req.args.get("stream", True) is True:
-            rec.stream = req  # with media, movable once decoding (the worker says)
-        self.forwarded += 1
-        if req.op == "drop" and req.session is not None:
-            self.affinity.drop_started(req.session)
-        if self.metrics is not None:
-            self.metrics.to_worker(sent)
+    # -- client -> worker (gateway/forward.py) ------------------------------------
 
     def send_later(self, req: Request) -> None:
         """Route and send a request outside its handler (a held one); a failure
@@ -339,7 +261,9 @@ class GatewayService:
                         return {"cancelled": True}
             return {"cancelled": False}
         # The worker cancels by its own id (ours); its answer comes back to this client.
-        self._dispatch(dataclasses.replace(req, args={"id": rec.gid}), rec.worker, (), False)
+        self.forwarder.dispatch(
+            dataclasses.replace(req, args={"id": rec.gid}), rec.worker, (), False
+        )
         return None
 
     def _drain(self, req: Request) -> dict[str, Any] | None:
@@ -363,7 +287,7 @@ class GatewayService:
     def dispatch(self, req: Request, w: WorkerConn, sessions: tuple[str, ...]) -> bool:
         """Send a moved stream's request to ``w``; on failure its client gets the error."""
         try:
-            self._dispatch(req, w, sessions, placed=False)
+            self.forwarder.dispatch(req, w, sessions, placed=False)
         except Exception as exc:
             self._out.append(Outgoing(req.peer, failure_header(req.id, exc, req.op)))
             return False

@@ -102,6 +102,9 @@ def move_gap(tmp: Path, tokens: int, seed: int) -> tuple[float, float]:
                     if len(stamps) == 16:
                         threading.Thread(target=drain, daemon=True).start()
             assert drained.wait(120), "the drain did not end"
+            # A gap is only the move's if the stream did move (not end first).
+            moved = c.call("gateway_status").result["streams_moved"]
+            assert moved == 1 and len(stamps) == 64, f"moved {moved}, {len(stamps)} tokens"
             gaps = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
             median = statistics.median(gaps)
             return max(gaps[14:]) - median, median

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from conftest import start_worker, stop_worker, wait_until
 from protocol import Client
+from worker.handoff import Handoff
 
 
 def test_sigterm_announces_leaving_and_waits_for_the_handoff(tmp_path: Path) -> None:
@@ -61,3 +62,25 @@ def test_a_claimer_that_gives_up_lets_the_worker_go(tmp_path: Path) -> None:
         assert proc.returncode == 0
     finally:
         stop_worker(proc)
+
+
+def test_a_claim_without_a_notice_holds_the_worker_while_it_holds_sessions() -> None:
+    """A worker with only sessionless streams tells nobody ``leaving``; a
+    gateway that saw it draining (``stats``) claims all the same, and the
+    worker must wait while a suspended stream's session is still here (it
+    is being exported), not exit under the move."""
+    held = ["~moved-1"]
+    hand = Handoff(lambda: list(held))
+    assert hand.leaving() == (0, 0)  # nobody named it: no notice
+    assert not hand.waiting()
+    hand.claim(done=False)
+    assert hand.waiting()
+    held.clear()  # moved away and dropped
+    assert not hand.waiting()
+    held.append("~moved-2")
+    assert hand.waiting()
+    hand.claim(done=True)  # the claimer took what it could
+    assert not hand.waiting()
+    hand.claim(done=False)
+    hand.give_up()  # the drain timeout
+    assert not hand.waiting()

@@ -345,6 +345,35 @@ def test_worker_metrics_move_with_requests(metered_worker: tuple[str, int]) -> N
     assert value(after, "vllm:kv_cache_usage_perc", **model) == 0.0
 
 
+def test_worker_metrics_show_the_park_as_stats_does(metered_worker: tuple[str, int]) -> None:
+    """Two lanes, three sessions: the third parks the first, naming the
+    first again restores it (parking the second). ``/metrics`` counts the
+    same parks, restores, parked sessions and bytes as ``stats.park``."""
+    endpoint, port = metered_worker
+    before = scrape(port)
+    with Client(endpoint, timeout_ms=60_000) as c:
+        for i in range(3):
+            c.prefill(f"park{i}", list(range(1000 + i, 1040 + i)))
+        c.decode("park0", 5)  # restored; park1 goes to the park
+        park = c.stats()["park"]
+        held = scrape(port)
+        for i in range(3):
+            c.drop(f"park{i}")
+
+    def delta(name: str) -> float:
+        return value(held, name) - value(before, name)
+
+    assert delta("skiff_parks_total") == 2
+    assert delta("skiff_park_restores_total") == 1
+    assert delta("skiff_park_restore_seconds_total") > 0
+    assert value(held, "skiff_parked_sessions") == park["sessions"] == 1
+    assert value(held, "skiff_park_bytes") == park["bytes"] > 0
+    assert value(held, "skiff_park_disk_bytes") == park["disk_bytes"] == 0
+    assert value(held, "skiff_parks_total") == park["parks"]
+    assert value(held, "skiff_park_restores_total") == park["restores"]
+    assert value(scrape(port), "skiff_parked_sessions") == 0  # dropped, parked or not
+
+
 def test_worker_metrics_port_off_by_default() -> None:
     from worker import config
 

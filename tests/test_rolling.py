@@ -187,3 +187,39 @@ def test_a_rolling_restart_moves_streams_and_sessions_exactly(pair: Pair) -> Non
             c.drop(f"s{i}")
         for i in range(4):
             c.drop(f"st{i}")
+
+
+def test_a_worker_holding_only_sessionless_streams_hands_them_over(pair: Pair) -> None:
+    """No named session on the leaving worker, so no peer to tell ``leaving``:
+    the gateway sees it draining in its ``stats`` and moves its streams all
+    the same (they do not run on to the drain timeout and get cancelled)."""
+    gw = pair.gateway_ep
+    assert not any(w["sessions"] for w in pair.status()["workers"])
+    refs = []
+    for i in range(2):
+        out: dict[str, Any] = {}
+        _follow(gw, _stream_args(20 + i), None, out)
+        assert "error" not in out
+        refs.append(out["events"])
+    runs = []
+    for i in range(2):
+        out = {}
+        t = threading.Thread(target=_follow, args=(gw, _stream_args(20 + i), None, out))
+        t.start()
+        runs.append((t, out))
+    for _, out in runs:
+        wait_until(
+            lambda out=out: len(_tokens(out.get("events", []))) >= 3,  # type: ignore[misc]
+            what="both streams running",
+        )
+    holder = next(w["endpoint"] for w in pair.status()["workers"] if w["in_flight"])
+    moved_before = pair.status().get("streams_moved", 0)
+    pair.restart(holder)
+    for t, _ in runs:
+        t.join(WAIT_S * 4)
+        assert not t.is_alive(), "a stream did not end"
+    for i, (_, out) in enumerate(runs):
+        assert "error" not in out, f"stream {i}: {out['error']}"
+        assert _tokens(out["events"]) == _tokens(refs[i]), f"stream {i} differs"
+        assert sum(1 for e in out["events"] if e.get("done")) == 1
+    assert pair.status().get("streams_moved", 0) > moved_before, "no stream was moved"

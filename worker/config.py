@@ -45,7 +45,7 @@ class WorkerConfig:
     kernels: str = "exact"  # "exact": batch-invariant rows; "upstream": llama.cpp's own paths
     admission_timeout_ms: int = 60_000
     session_idle_s: float = 600.0
-    park_bytes: int = -1  # host memory for parked sessions; -1 = a quarter of RAM, 0 = off
+    park_bytes: int = -1  # memory for parked sessions; -1 = a quarter of the memory limit, 0 = off
     park_dir: str = ""  # a directory for parked sessions past --park-bytes; "" = evict them
     max_request_bytes: int = 4 * 1024 * 1024
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -150,7 +150,8 @@ _OPTIONS: list[tuple[str, type, str]] = [
         "park-bytes",
         int,
         "host memory for parked sessions (idle sessions whose lane a new one needed; restored "
-        "exactly when named again); -1 = a quarter of RAM, 0 = no parking (lanes_busy)",
+        "exactly when named again); -1 = a quarter of the memory this worker may use (its "
+        "cgroup limit, else RAM), 0 = no parking (lanes_busy)",
     ),
     (
         "park-dir",
@@ -285,7 +286,7 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
     except ValueError as exc:
         raise SystemExit(f"skiff-worker: --cpus {cfg.cpus!r}: {exc}") from None
     if cfg.park_bytes < -1:
-        raise SystemExit("skiff-worker: --park-bytes must be >= 0, or -1 for a quarter of RAM")
+        raise SystemExit("skiff-worker: --park-bytes must be >= 0, or -1 for the default")
     if cfg.send_hwm < 1:
         raise SystemExit("skiff-worker: --send-hwm must be positive")
     if cfg.repack and cfg.kernels == "exact":

@@ -5,7 +5,9 @@ that it is leaving: a message without an id (``leaving``, with the names),
 which a plain client ignores. A peer that answers ``handoff`` (a gateway)
 claims them: the drain then waits until they are gone (moved away or
 dropped), until the claimer says it is done, or until the drain timeout. A
-notice nobody claims within ``WAIT_S`` does not hold the worker.
+notice nobody claims within ``WAIT_S`` does not hold the worker. A gateway
+also claims, unasked, from a worker whose ``stats`` say it is draining (one
+holding only sessionless streams has no session to tell anyone about).
 """
 
 from __future__ import annotations
@@ -64,10 +66,15 @@ class Handoff:
 
     def waiting(self) -> bool:
         """Whether the drain must wait for a hand-over (claimed, or told
-        and not yet past ``WAIT_S``) while named sessions remain."""
-        if self._leaving_at is None or self._given_up or not self._held():
+        and not yet past ``WAIT_S``) while named sessions remain. A claim
+        counts without a notice: a gateway that saw this worker draining in
+        its ``stats`` (it held only sessionless streams, so nobody was told)
+        moves them under a name of the worker's, which it must wait for."""
+        if self._given_up or not self._held():
             return False
-        return self.claimed or time.monotonic() - self._leaving_at <= WAIT_S
+        if self.claimed:
+            return True
+        return self._leaving_at is not None and time.monotonic() - self._leaving_at <= WAIT_S
 
     def forget_gone(self) -> None:
         """Keep the names of sessions still held (housekeeping)."""

@@ -38,9 +38,8 @@ alone moves the dense layers: a split at layer 9 then gives logit errors of
 array (true = sliding window), which llama.cpp reads in preference to the
 derived pattern. The source's sha256 and the range go under ``skiff.stage.*``.
 
-``--validate`` runs the full model and the slice on one prompt, capturing
-every layer's output (``l_out-N``), and names the first layer whose output
-differs (the slice is fed the full model's input to layer LO).
+``--validate`` names the first layer whose output differs between the full
+model and the slice (``validate.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ import argparse
 import hashlib
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +58,7 @@ import numpy as np
 
 from .ggufmeta import GGUFMetaError, iter_metadata
 from .swa import range_problem, swa_pattern
+from .validate import first_difference
 
 # Architectures whose per-layer behaviour is known to survive renumbering
 # with the rules above (extend only with a test that compares logits:
@@ -296,63 +296,16 @@ def cached_slice(src: Path, lo: int, hi: int, cache_dir: Path | None = None) -> 
 def validate(
     src: Path, lo: int, hi: int, sliced: Path | None = None, text: str = "", threads: int = 1
 ) -> str | None:
-    """Compare a slice's layers with the full model's; the first that differs
-    (``None`` when every layer is bit-identical). Without ``sliced``, the
-    slice a stage holding ``[lo, hi)`` loads is cut to a temp dir. Rows do
-    not depend on the thread count (docs/exactness.md): one thread is
-    enough for one prompt, and never waits on a busy core's barrier."""
-    prompt = text or "The lighthouse keeper climbed the stairs every evening, and the sea"
-    full = layer_outputs(str(src), prompt, None, range(max(0, lo - 1), hi), threads)
-    feed = full.get(lo - 1) if lo > 0 else None
-    if sliced is None:
-        with tempfile.TemporaryDirectory(prefix="skiff-validate-") as tmp:
-            _, n_layer = model_info(src)
-            parts = stage_parts(lo, hi, n_layer)
-            path = slice_model(src, lo, hi, Path(tmp) / "slice.gguf", parts=parts)
-            part = layer_outputs(str(path), prompt, feed, range(0, hi - lo), threads)
-    else:
-        part = layer_outputs(str(sliced), prompt, feed, range(0, hi - lo), threads)
-    for k in range(hi - lo):
-        a, b = full[lo + k], part[k]
-        if a.shape != b.shape or not np.array_equal(a, b):
-            diff = float(np.max(np.abs(a - b))) if a.shape == b.shape else float("inf")
-            return f"layer {lo + k} (slice layer {k}) differs: max |diff| {diff:.4g}"
-    return None
-
-
-def layer_outputs(
-    model_path: str, prompt: str, feed: np.ndarray | None, layers: Iterable[int], threads: int = 1
-) -> dict[int, np.ndarray]:
-    """Every asked layer's output (``l_out-N``, all rows) for one prompt.
-
-    With ``feed`` (``[tokens, n_embd]``) the model takes those rows as input
-    instead of the prompt's tokens (a slice that starts past layer 0). The
-    graph stops after the last layer asked, as on a stage: a slice's spare
-    block and stand-in head are never computed.
-    """
-    from ..engine import Engine, EngineConfig, EngineError, Segment  # loads llama.cpp
-
-    config = EngineConfig(
-        model_path,
-        n_ctx=2048,
-        n_seq=1,
-        n_threads=threads,
-        tap_layers=tuple(layers),
-        tap_stop=True,
-    )
-    engine = Engine(config)
-    try:
-        tokens = engine.tokenize(prompt)
-        if feed is not None:
-            segment = Segment(0, [-1] * len(feed), 0, "all", np.ascontiguousarray(feed))
-        else:
-            segment = Segment(0, tokens, 0, "all")
-        status = engine.decode([segment])
-        if not status.ok:
-            raise EngineError(f"llama_decode: {status.describe()}")
-        return engine.take_taps()
-    finally:
-        engine.close()
+    """Compare a slice's layers with the full model's (``validate.py``); the
+    first that differs (``None`` when every layer is bit-identical). Without
+    ``sliced``, the slice a stage holding ``[lo, hi)`` loads is cut to a
+    temp dir."""
+    if sliced is not None:
+        return first_difference(src, sliced, lo, hi, text, threads)
+    with tempfile.TemporaryDirectory(prefix="skiff-validate-") as tmp:
+        parts = stage_parts(lo, hi, model_info(src)[1])
+        path = slice_model(src, lo, hi, Path(tmp) / "slice.gguf", parts=parts)
+        return first_difference(src, path, lo, hi, text, threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
