@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 from protocol import Client  # noqa: E402
 from worker import cli  # noqa: E402
 
+_OWN = str(ROOT) + os.sep
+_VENV = (sys.prefix + os.sep, str(Path(sys.prefix).resolve()) + os.sep)
 _recording = threading.Event()
 _seen: dict[str, int] = {}
 
@@ -39,8 +41,8 @@ def _profile(frame: FrameType, event: str, arg: Any) -> None:
     if event != "call" or not _recording.is_set():
         return
     name = frame.f_code.co_filename
-    # .venv lives under the repository: its site-packages are not skiff's modules
-    if name.startswith(str(ROOT)) and "site-packages" not in name and name not in _seen:
+    # the project's own modules: the venv may live under the checkout
+    if name.startswith(_OWN) and not name.startswith(_VENV) and name not in _seen:
         _seen[name] = len(_seen)
 
 

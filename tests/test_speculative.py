@@ -6,10 +6,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import start_worker, stop_worker
 from protocol import Client, SkiffError
-from worker.core.speculative import accept, lookup_draft
+from worker.core.speculative import NgramIndex, PromptLookup, accept, lookup_draft
+from worker.runtime import Session
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 PROMPT = f"Python code:\n{CODE}\nThe same code again:\n"
@@ -22,6 +25,66 @@ def test_lookup_draft_proposes_what_followed_the_last_ngram() -> None:
     assert lookup_draft(history, 3, 2) == [4, 5]
     assert lookup_draft([1, 2, 3], 3, 4) == []
     assert lookup_draft([7, 8, 7, 8], 2, 4) == [7, 8]
+
+
+# A history that grows by a few tokens and loses a few (rejected drafts) per call.
+_EDITS = st.lists(
+    st.tuples(st.integers(0, 6), st.lists(st.integers(-1, 3), max_size=9)),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(start=st.lists(st.integers(-1, 3), max_size=30), edits=_EDITS, ngram=st.integers(1, 4))
+def test_the_ngram_index_drafts_what_a_rescan_drafts(
+    start: list[int], edits: list[tuple[int, list[int]]], ngram: int
+) -> None:
+    index = NgramIndex(ngram, slack=16)
+    history = list(start)
+    for cut, grow in edits:
+        del history[max(0, len(history) - cut) :]
+        history.extend(grow)
+        for max_draft in (8, 2):
+            assert index.draft(history, max_draft) == lookup_draft(history, ngram, max_draft)
+
+
+def _session(tokens: list[int]) -> Session:
+    session = Session("s", 0)
+    session.tokens = tokens
+    return session
+
+
+def test_automatic_lookup_drafts_only_while_few_streams_decode() -> None:
+    lookup = PromptLookup(ngram=2, max_draft=4, max_streams=2)
+    session = _session([5, 6, 7, 8, 9, 5])
+    assert lookup.draft(session, 6, 8, streams=3) == []  # crowded: extra rows cost
+    assert lookup.draft(session, 6, 8, streams=2) == [7, 8, 9, 5]
+    asked = PromptLookup(ngram=2, max_draft=4)  # asked for: drafts whatever the load
+    assert asked.draft(session, 6, 8, streams=8) == [7, 8, 9, 5]
+
+
+def _drafts(lookup: PromptLookup, calls: int, keep: bool) -> list[bool]:
+    """Whether each call drafted, the target keeping or refusing every draft."""
+    tokens, drafted, out = [5, 6, 6, 5], [5], []
+    for _ in range(calls):
+        # the token after the last draft's start: its first token, or another
+        nxt = drafted[0] if keep else (6 if drafted == [5] else 5)
+        got = lookup.draft(_session(list(tokens)), nxt, 8)
+        out.append(bool(got))
+        tokens.append(nxt)
+        drafted = got or drafted
+    return out
+
+
+def test_automatic_lookup_rests_longer_after_each_refused_draft() -> None:
+    auto = PromptLookup(ngram=1, max_draft=1, max_streams=1)
+    T, F = True, False
+    assert _drafts(auto, 11, keep=False) == [T, F, T, F, F, T, F, F, F, F, T]
+    kept = PromptLookup(ngram=1, max_draft=1, max_streams=1)
+    assert _drafts(kept, 6, keep=True) == [T] * 6  # a kept draft: no rest
+    asked = PromptLookup(ngram=1, max_draft=1)  # asked for: never rests
+    assert _drafts(asked, 6, keep=False) == [T] * 6
 
 
 def test_accept_stops_at_first_disagreement() -> None:

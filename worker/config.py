@@ -53,6 +53,10 @@ class WorkerConfig:
     log_level: str = "info"
     chat_template: str = ""  # "" = the model's own, else the Gemma-turn fallback
     draft_model: str = ""  # "" = no draft model; a GGUF path or "default"
+    # generations that ask for no speculation: "auto" = prompt lookup while at
+    # most speculate_streams streams decode in a forward; "off" = never
+    speculate: str = "auto"
+    speculate_streams: int = 2
     layers: str = ""  # "LO:HI": serve only these layers (a pipeline stage); "" = all
     next: str = ""  # the next stage's endpoint (a stage without the last layer)
     frame_dtype: str = "f32"  # hidden rows sent to the next stage: f32 (exact) or f16
@@ -168,6 +172,17 @@ _OPTIONS: list[tuple[str, type, str]] = [
     *((name.replace("_", "-"), int, LIMIT_HELP[name]) for name in LIMIT_FIELDS),
     ("draft-model", str, "GGUF (or 'default') drafting for speculative.mode=draft_model"),
     (
+        "speculate",
+        str,
+        "generations that ask for no speculative decoding: auto = exact prompt-lookup drafts "
+        "while few streams decode (--speculate-streams), off = never",
+    ),
+    (
+        "speculate-streams",
+        int,
+        "--speculate auto drafts while at most this many streams decode in one forward",
+    ),
+    (
         "mmproj",
         str,
         "multimodal projector GGUF (the model's mmproj) for prefill_media and media in "
@@ -234,6 +249,7 @@ _OPTIONS: list[tuple[str, type, str]] = [
 _CHOICES: dict[str, tuple[str, ...]] = {
     "log-format": LOG_FORMATS,
     "kernels": ("exact", "upstream"),
+    "speculate": ("auto", "off"),
     "frame-dtype": ("f32", "f16"),
 }
 FLAGS = flags.Flags(

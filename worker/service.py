@@ -15,7 +15,6 @@ import functools
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from structlog import get_logger
@@ -42,7 +41,7 @@ from .profile import Profile
 from .runtime import RuntimeState
 from .runtime.park import Park
 from .runtime.report import runtime_stats
-from .slice.ggufmeta import GGUFMetaError, read_tensor_infos
+from .slice.ggufmeta import tied_head
 from .spec import GrammarChecker
 
 _log = get_logger("skiff.worker")
@@ -84,7 +83,7 @@ class LlmService:
             park=_park(cfg) if not stage else None,
         )
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
-        self.tied_head = _tied_head(resolve_model(cfg.model))
+        self.tied_head = tied_head(resolve_model(cfg.model))
         # Every limit on what a peer controls; per-lane ones resolved to cells.
         self.limits = cfg.limits.resolved(self.rt.ctx_per_lane)
         # what the field rules of api/validate.py need of this worker
@@ -243,6 +242,8 @@ class LlmService:
             "chat_template": self.chat.info(),
             "speech": False,
             "draft_model": self.draft.path if self.draft else None,
+            # prompt lookup for generations that ask for no speculation
+            "speculate": {"mode": self.cfg.speculate, "max_streams": self.cfg.speculate_streams},
             "media": self.projector.info() if self.projector else None,
             # the CPU kernels this worker computes with and the exactness rule in force
             "cpu": e.cpu,
@@ -279,19 +280,6 @@ class LlmService:
         out["process"] = process_stats.snapshot()  # RSS, Python objects: leaks vs settling
         out["profile"] = self.profile.snapshot(self.rt, self.sched.stats)
         return out
-
-
-def _tied_head(source: Path) -> bool | None:
-    """Whether the model's head is its token embedding (no ``output.weight``:
-    llama.cpp then computes the head with ``token_embd``). Read from the
-    source model, not a stage's slice, which leaves ``output.weight`` out of
-    every stage but the last whatever the model (slice/slicer.py). None: a
-    file llama.cpp loaded but this reader cannot walk (unknown, not fatal)."""
-    try:
-        names = {t.name for t in read_tensor_infos(source)}
-    except GGUFMetaError:
-        return None
-    return "output.weight" not in names
 
 
 # Ops a draining worker still serves (besides ping/info/stats/cancel): they

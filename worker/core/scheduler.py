@@ -334,6 +334,9 @@ class Scheduler:
             stable.remove(boosted)
             stable.insert(0, boosted)
         streaming = any(j.phase == PHASE_DECODE for j in self.active)
+        # the streams this forward decodes: a drafter asks whether drafts pay
+        streams = sum(1 for j in stable if j.phase == PHASE_DECODE)
+        streams = min(streams, group_size) if group_size is not None else streams
         allowance = self.outcomes.clock.prefill_allowance(self.cfg.cadence) if streaming else None
         for phase in (PHASE_DECODE, PHASE_ATOMIC, None):
             if phase is None and allowance is not None:
@@ -352,6 +355,7 @@ class Scheduler:
                     if group_size is not None and decodes >= group_size:
                         continue  # the next group's: it goes in the next launch
                     decodes += 1
+                    job.streams = streams
                 # plan() with no budget left returns nothing, and an atomic job
                 # that could not run is boosted to go first next turn.
                 try:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["DraftModel", "Drafter", "PromptLookup", "accept", "lookup_draft"]
+__all__ = ["DraftModel", "Drafter", "NgramIndex", "PromptLookup", "accept", "lookup_draft"]
 
 from ..runtime import DraftRuntime, Session
 from ..runtime.rows import accept
@@ -44,19 +44,115 @@ def lookup_draft(history: Sequence[int], ngram: int, max_draft: int) -> list[int
 
 
 class Drafter(Protocol):
-    """Proposes up to ``limit`` tokens to follow ``next_token`` in ``session``."""
+    """Proposes up to ``limit`` tokens to follow ``next_token`` in ``session``.
 
-    def draft(self, session: Session, next_token: int, limit: int) -> list[int]: ...
+    ``streams`` is how many streams decode in the forward being planned: a
+    drafter may decline when extra rows would not pay (``PromptLookup``'s
+    automatic mode).
+    """
+
+    def draft(
+        self, session: Session, next_token: int, limit: int, streams: int = 1
+    ) -> list[int]: ...
 
 
-@dataclass(frozen=True)
+class NgramIndex:
+    """``lookup_draft`` without rescanning the history on every token.
+
+    Every start of an ``ngram`` that has a token after it is indexed once,
+    as the history grows; each key keeps its starts in order, so the latest
+    earlier match is the last. A job's own rejected drafts are cut from the
+    session between two calls: the history is compared with the indexed
+    copy over its last ``slack`` tokens only (nothing older can change while
+    the job holds the session), and the starts past the first difference are
+    dropped. The drafts equal ``lookup_draft``'s (``tests/test_speculative.py``).
+    """
+
+    def __init__(self, ngram: int, slack: int = 64) -> None:
+        self.ngram = ngram
+        self.slack = slack
+        self.seen: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+        self.indexed = 0  # starts 0 .. indexed-1 are in ``starts``
+
+    def draft(self, history: Sequence[int], max_draft: int) -> list[int]:
+        self._sync(history)
+        n, size = self.ngram, len(history)
+        if max_draft <= 0 or size <= n:
+            return []
+        key = tuple(history[size - n :])
+        if min(key) < 0:
+            return []
+        starts = self.starts.get(key)
+        if not starts:
+            return []
+        follow = self.seen[starts[-1] + n : starts[-1] + n + max_draft]
+        cut = next((i for i, t in enumerate(follow) if t < 0), len(follow))
+        return follow[:cut]
+
+    def _sync(self, history: Sequence[int]) -> None:
+        seen, n = self.seen, self.ngram
+        k = max(0, len(seen) - self.slack)
+        end = min(len(seen), len(history))
+        while k < end and seen[k] == history[k]:
+            k += 1
+        if k < len(seen):  # cut at k: drop every start whose n-gram or follower reaches it
+            keep = max(0, k - n)
+            for s in range(self.indexed - 1, keep - 1, -1):
+                self.starts[tuple(seen[s : s + n])].pop()
+            self.indexed = min(self.indexed, keep)
+            del seen[k:]
+        seen.extend(history[len(seen) :])
+        for s in range(self.indexed, len(seen) - n):
+            self.starts.setdefault(tuple(seen[s : s + n]), []).append(s)
+        self.indexed = max(self.indexed, len(seen) - n)
+
+
 class PromptLookup:
-    ngram: int = 3
-    max_draft: int = 8
+    """Drafts from the session's own history (``NgramIndex``), per job.
 
-    def draft(self, session: Session, next_token: int, limit: int) -> list[int]:
+    Asked for (``speculative: {"mode": "prompt_lookup"}``) it always drafts
+    what it finds. Turned on by the worker (``--speculate auto``,
+    ``max_streams`` set) it drafts only while at most ``max_streams``
+    streams decode in the forward, where extra rows cost little, and after a
+    draft of which nothing was accepted it rests for 1, 2, 4, ... up to 16
+    tokens, so text that does not repeat costs next to nothing.
+    """
+
+    def __init__(self, ngram: int = 3, max_draft: int = 8, max_streams: int | None = None) -> None:
+        self.ngram = ngram
+        self.max_draft = max_draft
+        self.max_streams = max_streams
+        self.index = NgramIndex(ngram, slack=max(64, 2 * max_draft + 4))
+        self.rest = 0  # tokens to go without drafting (automatic mode)
+        self.misses = 0  # drafts in a row of which nothing was accepted
+        self.last: tuple[int, list[int]] | None = None  # (where it starts, the draft)
+
+    def draft(self, session: Session, next_token: int, limit: int, streams: int = 1) -> list[int]:
         history = [*session.tokens, next_token]
-        return lookup_draft(history, self.ngram, min(self.max_draft, limit))
+        if self.max_streams is None:
+            return self.index.draft(history, min(self.max_draft, limit))
+        self._learn(history)
+        if streams > self.max_streams or limit <= 0:
+            return []
+        if self.rest > 0:
+            self.rest -= 1
+            return []
+        drafted = self.index.draft(history, min(self.max_draft, limit))
+        self.last = (len(history), drafted) if drafted else None
+        return drafted
+
+    def _learn(self, history: list[int]) -> None:
+        """How much of the last draft the target kept: rest after a miss."""
+        if self.last is None:
+            return
+        start, drafted = self.last
+        self.last = None
+        if history[start : start + 1] == drafted[:1]:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.rest = min(1 << (self.misses - 1), 16)
 
 
 @dataclass(frozen=True)
@@ -73,7 +169,7 @@ class DraftModel:
     def with_max(self, max_draft: int) -> DraftModel:
         return DraftModel(self.runtime, max_draft)
 
-    def draft(self, session: Session, next_token: int, limit: int) -> list[int]:
+    def draft(self, session: Session, next_token: int, limit: int, streams: int = 1) -> list[int]:
         if session.tokens and min(session.tokens) < 0:
             # The draft model never saw the session's media (or embeddings
             # input): it has nothing sound to propose, and -1 is no token.

@@ -238,3 +238,16 @@ def read_metadata(path: Path | str, keys: Collection[str]) -> dict[str, Value]:
                 if len(found) == len(wanted):
                     break
     return found
+
+
+def tied_head(source: Path | str) -> bool | None:
+    """Whether the model's head is its token embedding (no ``output.weight``:
+    llama.cpp then computes the head with ``token_embd``). Ask the source
+    model, not a stage's slice, which leaves ``output.weight`` out of every
+    stage but the last whatever the model (slice/slicer.py). None: a file
+    llama.cpp loaded but this reader cannot walk (unknown, not fatal)."""
+    try:
+        names = {t.name for t in read_tensor_infos(source)}
+    except GGUFMetaError:
+        return None
+    return "output.weight" not in names

@@ -208,7 +208,7 @@ class GenerateJob(Job):
             rt.ctx_per_lane - self.session.position - 1,
             self.max_tokens - self.shown - len(self.completion) - 1,
         )
-        return self.drafter.draft(self.session, self.next_token, room)
+        return self.drafter.draft(self.session, self.next_token, room, self.streams)
 
     def advance(self, rt: RuntimeState, results: list[StepResult]) -> bool:
         session = self.session
