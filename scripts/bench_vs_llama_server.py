@@ -117,15 +117,16 @@ class Skiff:
 
 
 class LlamaServer:
-    name = "llama-server"
-
-    def __init__(self, binary: str, model: str) -> None:
+    def __init__(
+        self, binary: str, model: str, extra: tuple[str, ...] = (), name: str = "llama-server"
+    ) -> None:
+        self.name = name
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         cmd = [binary, "-m", model, "--threads", str(THREADS), "--threads-batch", str(THREADS),
                "--parallel", str(LANES), "--ctx-size", str(N_CTX),
-               "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+               "--host", "127.0.0.1", "--port", str(self.port), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

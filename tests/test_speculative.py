@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from worker.runtime import Session
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 PROMPT = f"Python code:\n{CODE}\nThe same code again:\n"
 LOOKUP = {"mode": "prompt_lookup", "max_draft": 8, "ngram": 3}
+OFF = {"mode": "off"}
 
 
 def test_lookup_draft_proposes_what_followed_the_last_ngram() -> None:
@@ -140,12 +142,44 @@ def test_speculation_gives_the_same_tokens(client: Client, sampling: dict[str, A
     args: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}
     if sampling:
         args["sampling"] = sampling
-    plain = _tokens(client, args)
+    plain = _tokens(client, {**args, "speculative": OFF})
+    assert "speculative" not in plain  # asked for none: nothing drafted
     spec = _tokens(client, {**args, "speculative": LOOKUP})
     assert spec["speculative"]["drafted"] > 0 and spec["speculative"]["accepted"] > 0
+    auto = _tokens(client, args)  # asked nothing: the worker's --speculate auto, one stream
+    assert auto["speculative"]["drafted"] > 0 and auto["speculative"]["accepted"] > 0
     # Every row of a span scores exactly as in plain decoding (rows are
     # batch-invariant): greedy and seeded outputs are identical.
-    assert spec["tokens"] == plain["tokens"]
+    assert spec["tokens"] == plain["tokens"] == auto["tokens"]
+
+
+def test_automatic_speculation_leaves_the_cells_plain_decoding_leaves(client: Client) -> None:
+    """Past the 512-token window: a session generated with the worker's own
+    drafts (the refused ones trimmed away) and one generated plainly score
+    the next token with equal logits, to the bit."""
+    prompt = client.tokenize(PROMPT * 16)
+    assert len(prompt) > 560
+    args: dict[str, Any] = {"tokens": prompt, "max_tokens": 40, "ignore_eos": True}
+    plain = client.call("generate", "plain", {**args, "speculative": OFF, "stream": False})
+    auto = client.call("generate", "auto", {**args, "stream": False})
+    assert auto.result["speculative"]["accepted"] > 0
+    assert auto.result["tokens"] == plain.result["tokens"]
+    last = plain.result["tokens"][-1]
+    a = client.decode("auto", last, return_logits=True)
+    b = client.decode("plain", last, return_logits=True)
+    assert a.result["position"] == b.result["position"] == len(prompt) + 40
+    diff = np.abs(a.frame.array("logits") - b.frame.array("logits")).max()
+    assert diff == 0.0
+
+
+def test_outputs_turn_the_automatic_drafts_off(client: Client) -> None:
+    reply = _tokens(client, {"prompt": PROMPT, "max_tokens": 4, "output": ["logits"]})
+    assert "speculative" not in reply and len(reply["tokens"]) == 4
+    with pytest.raises(SkiffError) as info:
+        _tokens(
+            client, {"prompt": "x", "max_tokens": 2, "output": ["logits"], "speculative": LOOKUP}
+        )
+    assert info.value.code == "unsupported"
 
 
 def test_speculative_stream_reports_counts_and_positions(client: Client) -> None:

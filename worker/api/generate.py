@@ -44,7 +44,8 @@ from .validate import (
 
 @dataclass(frozen=True)
 class _Speculative(Field):
-    """``speculative``: prompt lookup or the worker's draft model; None: off."""
+    """``speculative``: prompt lookup, the worker's draft model, or off;
+    None (not given): the worker's ``--speculate``."""
 
     nil_ok: bool = True
 
@@ -53,7 +54,7 @@ class _Speculative(Field):
             raise BadRequest(f"{where} must be a map")
         mode = value.get("mode")
         if not isinstance(mode, str) or mode not in _SPECULATION:
-            raise BadRequest(f"{where}.mode must be 'prompt_lookup' or 'draft_model'")
+            raise BadRequest(f"{where}.mode must be 'prompt_lookup', 'draft_model' or 'off'")
         got = read_fields(value, _SPECULATION[mode], ctx, f"{where}.", known="")
         return Speculation(**got)
 
@@ -116,6 +117,7 @@ _MAX_DRAFT = Int(8, lo=1, hi=64)
 _SPECULATION: Final[dict[str, dict[str, Field]]] = {
     "prompt_lookup": {"mode": Str(), "max_draft": _MAX_DRAFT, "ngram": Int(3, lo=1, hi=16)},
     "draft_model": {"mode": Str(), "max_draft": _MAX_DRAFT, "path": Str(default=None)},
+    "off": {"mode": Str(), "max_draft": Int(0, lo=0, hi=0)},  # not even the worker's own
 }
 
 # What ``generate`` and ``chat`` may ask beside their prompt, in the order
@@ -169,7 +171,7 @@ def read_generation(app: App, req: Request) -> Generation:
     marker = app.projector.marker if app.projector is not None else ""
     got = read_fields(args, CHAT if chat else GENERATION, app.context.carrying(req.buffers, marker))
     outputs = outputs_of(args, got)
-    if outputs and got["speculative"] is not None:
+    if outputs and got["speculative"] is not None and got["speculative"].mode != "off":
         raise Unsupported("output with speculative decoding is not supported; ask one or the other")
     if not got["logprobs"] and "top_logprobs" in args:
         raise BadRequest("top_logprobs needs logprobs: true")

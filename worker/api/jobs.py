@@ -25,7 +25,7 @@ from ..limits import exceeded
 from ..runtime import Ephemeral, SessionId
 from .app import App
 from .media import media_prompt
-from .requests import Generation, Speculation
+from .requests import Generation
 
 _ephemeral_ids = itertools.count(1)
 
@@ -35,9 +35,20 @@ def next_ephemeral() -> Ephemeral:
     return Ephemeral(next(_ephemeral_ids))
 
 
-def _drafter(app: App, speculation: Speculation | None) -> Drafter | None:
-    """The drafter for a generation's ``speculative``, on this worker."""
+def _drafter(app: App, gen: Generation) -> Drafter | None:
+    """The drafter for a generation's ``speculative``, on this worker.
+
+    Asked for none, the worker's ``--speculate auto`` drafts by prompt lookup
+    while few streams decode (``PromptLookup.max_streams``): the output is
+    the same to the bit either way, only sooner. Not with ``outputs``, which
+    speculation does not serve.
+    """
+    speculation = gen.speculation
     if speculation is None:
+        if app.cfg.speculate != "auto" or gen.outputs:
+            return None
+        return PromptLookup(max_streams=app.cfg.speculate_streams)
+    if speculation.mode == "off":
         return None
     if speculation.mode == "prompt_lookup":
         return PromptLookup(speculation.ngram, speculation.max_draft)
@@ -75,7 +86,7 @@ def generation_job(app: App, req: Request, gen: Generation) -> GenerateJob:
         "ignore_eos": gen.ignore_eos,
         "stream": gen.stream,
         "chunk": app.chunk,
-        "drafter": _drafter(app, gen.speculation),
+        "drafter": _drafter(app, gen),
         "top_logprobs": gen.top_logprobs,
         "outputs": gen.outputs,
         "prompt_limit": app.prompt_limit,

@@ -21,7 +21,7 @@ from ..spec import SamplerSpec
 class Speculation:
     """``speculative``: how a generation drafts tokens to verify."""
 
-    mode: Literal["prompt_lookup", "draft_model"]
+    mode: Literal["prompt_lookup", "draft_model", "off"]
     max_draft: int
     ngram: int = 3  # prompt_lookup
     path: str | None = None  # draft_model: must name the worker's own, when given
