@@ -318,6 +318,7 @@ def pinned(args: argparse.Namespace) -> None:
                     f"{med('chain', 'itl_p99_ms'):>7.1f}"
                     f"   (ratios per round: {', '.join(f'{x:.2f}' for x in ratios)})"
                 )
+            ceiling(tmp, common, full_ep, args, procs)
             print("  where each process's time went (last round; stats.profile):")
             for key, lines in busy.items():
                 print(f"  {key}")
@@ -327,6 +328,43 @@ def pinned(args: argparse.Namespace) -> None:
             for p in procs:
                 p.terminate()
                 p.wait(10)
+
+
+def ceiling(
+    tmp: Path,
+    common: tuple[str, ...],
+    full_ep: str,
+    args: argparse.Namespace,
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    """What two pinned cores give at best: ``c`` streams split over two
+    independent workers (no hop, nothing shared but the machine: caches,
+    memory, the host's cores) against the ``c`` streams on one worker alone.
+    A 2-stage chain splits the same streams' work over the same two cores
+    and keeps them busy at most as well, so this ratio bounds what any split
+    can reach here."""
+    other, other_ep = start(tmp, "other", *common, "--cpus", "1", threads=1)
+    procs.append(other)
+    for conc in (4, 8):
+        alone: list[float] = []
+        both: list[float] = []
+        for _ in range(args.rounds):
+            alone.append(streamed(full_ep, conc, args.tokens)["tok_s"])
+            got: dict[str, float] = {}
+
+            def load(i: int, conc: int = conc, got: dict[str, float] = got) -> None:
+                got[str(i)] = streamed([full_ep, other_ep][i], conc // 2, args.tokens)["tok_s"]
+
+            concurrently(load, 2)
+            both.append(got["0"] + got["1"])
+        ratios = [b / a for a, b in zip(alone, both, strict=True)]
+        print(
+            f"  ceiling c={conc}: one pinned worker alone {statistics.median(alone):.1f} tok/s; "
+            f"two independent pinned workers, c={conc // 2} each, at once "
+            f"{statistics.median(both):.1f} tok/s together = "
+            f"{statistics.median(ratios):.2f}x one alone (the most a 2-stage chain could give "
+            f"on these two cores; per round: {', '.join(f'{x:.2f}' for x in ratios)})"
+        )
 
 
 def main() -> None:
