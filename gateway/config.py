@@ -38,6 +38,7 @@ class GatewayConfig:
     stall_after_ms: int = 15_000
     balance_threshold: float = 2.0  # load-score slack a cache hit may cost
     cache_min_blocks: int = 8  # prefix blocks a worker must share to win on cache
+    cache_full_blocks: int = 32  # a match this long may cost the whole balance threshold
     prefix_index_blocks: int = 65_536  # remembered prefix blocks per worker (LRU)
     max_request_bytes: int = 4 * 1024 * 1024
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -105,6 +106,12 @@ _OPTIONS: list[tuple[str, type, str, str]] = [
         int,
         "SKIFF_GATEWAY_CACHE_MIN_BLOCKS",
         "cache_aware: prefix blocks (16 tokens / 64 chars) a worker must share to win",
+    ),
+    (
+        "cache-full-blocks",
+        int,
+        "SKIFF_GATEWAY_CACHE_FULL_BLOCKS",
+        "cache_aware: a match this long may cost the whole --balance-threshold; shorter, a share",
     ),
     (
         "prefix-index-blocks",
@@ -197,6 +204,7 @@ def from_namespace(ns: argparse.Namespace) -> GatewayConfig:
         stall_after_ms=ns.stall_after_ms,
         balance_threshold=ns.balance_threshold,
         cache_min_blocks=ns.cache_min_blocks,
+        cache_full_blocks=ns.cache_full_blocks,
         prefix_index_blocks=ns.prefix_index_blocks,
         max_request_bytes=ns.max_request_bytes,
         max_message_bytes=ns.max_message_bytes,

@@ -14,7 +14,9 @@ left is placing *new* work, three ways (``--policy``):
   the worker's default prefill piece, the smallest prefix its exact prefix
   cache reuses), but only while that worker's load score is within
   ``--balance-threshold`` (default 2: one more running request and one
-  fewer free lane) of the least loaded one, and never onto a worker with no
+  fewer free lane) of the least loaded one, scaled down for matches shorter
+  than ``--cache-full-blocks`` (default 32: 512 tokens; ``Router.slack``),
+  and never onto a worker with no
   free lane while another has one (the request would queue behind a whole
   generation there to save a prefill: measured, that imbalance cost the
   gateway 7-15% of throughput against round robin); otherwise least loaded
@@ -143,6 +145,7 @@ class Router:
         *,
         balance_threshold: float = 2.0,
         cache_min_blocks: int = 8,
+        cache_full_blocks: int = 32,
         index: PrefixIndex | None = None,
     ) -> None:
         if policy not in ("cache_aware", "least_loaded", "round_robin"):
@@ -150,6 +153,8 @@ class Router:
         self.policy = policy
         self.balance_threshold = balance_threshold
         self.cache_min_blocks = max(1, cache_min_blocks)
+        # a match this long may cost the whole threshold; shorter, a share
+        self.cache_full_blocks = max(self.cache_min_blocks, cache_full_blocks)
         self.index = index or PrefixIndex()
         self._turn = itertools.count()
         self.cache_routed = 0  # decisions a prefix hit made (for stats)
@@ -181,7 +186,7 @@ class Router:
         best_match = 0
         for c in candidates:
             matched = self.index.match(c.name, blocks)
-            if matched < self.cache_min_blocks or c.score > best_load + self.balance_threshold:
+            if matched < self.cache_min_blocks or c.score > best_load + self.slack(matched):
                 continue
             if room_elsewhere and c.free_lanes == 0:
                 continue  # it would queue here while a lane waits elsewhere
@@ -193,6 +198,16 @@ class Router:
             self.cache_routed += 1
             return best.name
         return least_loaded(candidates, next(self._turn))
+
+    def slack(self, matched: int) -> float:
+        """The load a prefix of ``matched`` blocks may cost over the least
+        loaded worker: the whole ``balance_threshold`` from
+        ``cache_full_blocks`` on, a share below. A hit saves prefill in
+        proportion to its length, while the extra stream on the busier worker
+        slows all its streams for the whole generation: a short shared prefix
+        (a repeated 200-token prompt) pays only among equally loaded workers,
+        a long one (a chat's growing conversation) pays even on a busier one."""
+        return self.balance_threshold * min(1.0, matched / self.cache_full_blocks)
 
     def forget(self, worker: str) -> None:
         self.index.forget(worker)

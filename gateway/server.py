@@ -82,6 +82,7 @@ class GatewayService:
             cfg.policy,
             balance_threshold=cfg.balance_threshold,
             cache_min_blocks=cfg.cache_min_blocks,
+            cache_full_blocks=cfg.cache_full_blocks,
             index=PrefixIndex(cfg.prefix_index_blocks),
         )
         self.affinity = AffinityTable()

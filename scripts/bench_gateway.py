@@ -23,6 +23,7 @@ cores; the gateway takes what is left, as it would on a real host.
 from __future__ import annotations
 
 import argparse
+import shlex
 import socket
 import statistics
 import subprocess
@@ -160,6 +161,7 @@ def main() -> None:
         choices=("cache_aware", "least_loaded", "round_robin"),
         help="the gateway's routing policy (default: the gateway's own default)",
     )
+    ap.add_argument("--gateway-args", default="", help="extra skiff-gateway flags")
     args = ap.parse_args()
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="skiff-gw-bench-") as tmp_s:
@@ -177,6 +179,7 @@ def main() -> None:
             http = f"http://127.0.0.1:{free_port()}"
             cmd = [py, "-m", "gateway.cli", "--bind", gateway, "--http", http[len("http://") :]]
             cmd += ["--policy", args.policy, "--log-level", "warning"]
+            cmd += shlex.split(args.gateway_args)
             for ep in workers:
                 cmd += ["--worker", ep]
             procs.append(start(cmd, tmp / "gateway.log"))

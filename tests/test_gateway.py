@@ -67,7 +67,7 @@ def test_prompt_blocks_chain_on_shared_prefixes() -> None:
 
 
 def test_cache_aware_prefers_the_prefix_holder_until_it_is_too_busy() -> None:
-    router = Router("cache_aware", balance_threshold=2, cache_min_blocks=1)
+    router = Router("cache_aware", balance_threshold=2, cache_min_blocks=1, cache_full_blocks=1)
     system = list(range(100, 164))
     first = prompt_blocks({"tokens": [*system, 1, 2, 3]})
     idle = [Candidate("a", free_lanes=4), Candidate("b", free_lanes=4)]
@@ -98,9 +98,26 @@ def test_cache_aware_prefers_the_prefix_holder_until_it_is_too_busy() -> None:
     strict = Router("cache_aware")
     strict.index.insert("a", first)
     assert strict.choose(busy_a, first) == "b"
-    long_prompt = prompt_blocks({"tokens": list(range(1000, 1200))})
+    long_prompt = prompt_blocks({"tokens": list(range(1000, 1600))})
     strict.index.insert("a", long_prompt)
     assert strict.choose(busy_a, long_prompt) == "a"
+
+
+def test_a_short_shared_prefix_wins_only_among_equally_loaded_workers() -> None:
+    """The slack a hit may cost grows with its length: a repeated 200-token
+    prompt does not pile onto the busier worker, a long conversation does."""
+    router = Router("cache_aware")  # threshold 2, hits from 8 blocks, the whole slack from 32
+    assert router.slack(8) == 0.5 and router.slack(16) == 1.0 and router.slack(64) == 2.0
+    short = prompt_blocks({"tokens": list(range(200))})  # 12 blocks
+    long = prompt_blocks({"tokens": list(range(1000, 1600))})  # 37 blocks
+    router.index.insert("a", short)
+    router.index.insert("a", long)
+    busier_a = [Candidate("a", running=4, free_lanes=4), Candidate("b", running=3, free_lanes=5)]
+    assert busier_a[0].score - busier_a[1].score == 2
+    assert router.choose(busier_a, short, remember=False) == "b"  # 0.75 < 2: balance
+    assert router.choose(busier_a, long, remember=False) == "a"  # 2 <= 2: the hit
+    level = [Candidate("a", running=4, free_lanes=4), Candidate("b", running=4, free_lanes=4)]
+    assert router.choose(level, short, remember=False) == "a"  # a tie: the hit decides
 
 
 def test_least_loaded_and_round_robin_ignore_prefixes() -> None:
