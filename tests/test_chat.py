@@ -156,6 +156,7 @@ def test_chat_job_gets_the_end_of_turn_stop() -> None:
         context=Context(Limits().resolved(2048), n_vocab=1000),
         prompt_limit=0,
         projector=None,
+        speculate_streams=2,
         draining=False,
         chunk=256,
         ticket=lambda req: SimpleNamespace(id=req.id),

@@ -93,6 +93,7 @@ class LlmService:
         # Keep room for a full row of decodes beside a prefill piece, so a
         # prompt never waits on running streams (nor they on it).
         self.chunk = max(1, min(cfg.prefill_chunk, cfg.budget - cfg.lanes))
+        self.speculate_streams = cfg.speculate_streams if cfg.speculate == "auto" else None
         self.sched = Scheduler(
             self.rt,
             SchedulerConfig(

@@ -48,6 +48,9 @@ class App(Protocol):
     prompt_limit: int
     draining: bool  # SIGTERM: only work that finishes or moves accepted work is served
     projector: Projector | None  # --mmproj (api/media.py); None: text only
+    # --speculate auto: generations that ask for no speculation draft while
+    # at most this many streams decode; None: --speculate off
+    speculate_streams: int | None
 
     def ticket(self, req: Request) -> Ticket: ...
 

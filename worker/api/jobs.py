@@ -45,9 +45,9 @@ def _drafter(app: App, gen: Generation) -> Drafter | None:
     """
     speculation = gen.speculation
     if speculation is None:
-        if app.cfg.speculate != "auto" or gen.outputs:
+        if app.speculate_streams is None or gen.outputs:
             return None
-        return PromptLookup(max_streams=app.cfg.speculate_streams)
+        return PromptLookup(max_streams=app.speculate_streams)
     if speculation.mode == "off":
         return None
     if speculation.mode == "prompt_lookup":
