@@ -576,6 +576,31 @@ def test_decode_rows_come_first_in_lane_order_every_turn() -> None:
         assert [r.session for r in call] == ["c", "b", "a", "p"]
 
 
+class _Recording:
+    """A drafter that drafts nothing and remembers the ``streams`` it was told."""
+
+    def __init__(self) -> None:
+        self.streams: list[int] = []
+
+    def draft(self, session: Session, next_token: int, limit: int, streams: int = 1) -> list[int]:
+        self.streams.append(streams)
+        return []
+
+
+def test_a_drafter_is_told_how_many_streams_its_forward_decodes() -> None:
+    h = Harness(lanes=4, max_batch_tokens=64)
+    drafters = [_Recording() for _ in range(3)]
+    for i, drafter in enumerate(drafters):
+        job = h.generate(session=f"s{i}", max_tokens=3 + 2 * i)
+        job.drafter = drafter
+        h.submit(job)
+    h.run()
+    # each decode turn: as many streams as are decoding (3, then 2, then 1)
+    assert drafters[0].streams == [3, 3]
+    assert drafters[1].streams == [3, 3, 2, 2]
+    assert drafters[2].streams == [3, 3, 2, 2, 1, 1]
+
+
 def test_a_turn_batches_decode_then_atomic_then_prefill() -> None:
     h = Harness(lanes=4, max_batch_tokens=64)
     h.rt.admit(["pre", "atom"])  # lanes 0 and 1, ahead of the stream's lane 2
