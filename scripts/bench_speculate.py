@@ -117,6 +117,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per user")
     ap.add_argument("--systems", default="skiff-off,skiff,llama-server,llama-ngram")
     ap.add_argument("--llama-spec", default="--spec-type ngram-simple")
+    ap.add_argument("--skiff-args", default="", help="extra flags for the skiff system")
     ap.add_argument("--llama-server", help="llama-server binary (default: the cached build)")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args()
@@ -133,7 +134,7 @@ def main() -> int:
     prompts = {(k, c): _prompts(model, k, per_run, 1000 * i) for i, (k, c) in enumerate(runs)}
     makers: dict[str, Callable[[], Any]] = {
         "skiff-off": lambda: peer.Skiff(model, ["--speculate", "off"], "skiff-off"),
-        "skiff": lambda: peer.Skiff(model, [], "skiff"),
+        "skiff": lambda: peer.Skiff(model, shlex.split(args.skiff_args), "skiff"),
         "llama-server": lambda: peer.LlamaServer(str(binary), model),
         "llama-ngram": lambda: peer.LlamaServer(
             str(binary), model, tuple(shlex.split(args.llama_spec)), "llama-ngram"

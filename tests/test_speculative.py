@@ -89,6 +89,22 @@ def test_automatic_lookup_rests_longer_after_each_refused_draft() -> None:
     assert _drafts(asked, 6, keep=False) == [T] * 6
 
 
+def test_automatic_drafts_grow_while_kept_whole_and_shrink_to_what_was_kept() -> None:
+    cycle = list(range(1, 21))
+    lookup = PromptLookup(ngram=2, max_draft=16, max_streams=1)
+    tokens = cycle * 3
+    sizes = []
+    for keep_all in (True, True, True, True, False):
+        nxt = tokens[-20]  # what followed the same place one cycle back
+        drafted = lookup.draft(_session(list(tokens)), nxt, 32)
+        sizes.append(len(drafted))
+        kept = drafted if keep_all else drafted[:2]
+        tokens += [nxt, *kept, 99 if not keep_all else tokens[len(tokens) - 19 + len(kept)]]
+    assert sizes == [4, 8, 16, 16, 16]
+    lookup.draft(_session(list(tokens)), tokens[-20], 32)
+    assert lookup.size == 3  # 2 of the last draft kept: the next is 3 long
+
+
 def test_accept_stops_at_first_disagreement() -> None:
     calls: list[int] = []
     target = [10, 11, 99, 13]

@@ -20,7 +20,7 @@ from faults import BadRequest, Unsupported
 from ..core.chat import ChatJob
 from ..core.jobs.generate import GenerateJob
 from ..core.jobs.media import MediaGenerateJob
-from ..core.speculative import Drafter, PromptLookup
+from ..core.speculative import AUTO_MAX_DRAFT, AUTO_NGRAM, Drafter, PromptLookup
 from ..limits import exceeded
 from ..runtime import Ephemeral, SessionId
 from .app import App
@@ -47,7 +47,7 @@ def _drafter(app: App, gen: Generation) -> Drafter | None:
     if speculation is None:
         if app.speculate_streams is None or gen.outputs:
             return None
-        return PromptLookup(max_streams=app.speculate_streams)
+        return PromptLookup(AUTO_NGRAM, AUTO_MAX_DRAFT, max_streams=app.speculate_streams)
     if speculation.mode == "off":
         return None
     if speculation.mode == "prompt_lookup":

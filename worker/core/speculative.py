@@ -17,7 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["DraftModel", "Drafter", "NgramIndex", "PromptLookup", "accept", "lookup_draft"]
+__all__ = [
+    "AUTO_MAX_DRAFT",
+    "AUTO_NGRAM",
+    "DraftModel",
+    "Drafter",
+    "NgramIndex",
+    "PromptLookup",
+    "accept",
+    "lookup_draft",
+]
 
 from ..runtime import DraftRuntime, Session
 from ..runtime.rows import accept
@@ -108,22 +117,37 @@ class NgramIndex:
         self.indexed = max(self.indexed, len(seen) - n)
 
 
+# The worker's own drafts (--speculate auto), measured with
+# scripts/bench_speculate.py: a 5-token key finds fewer false matches than 3
+# in prose, and drafts of up to 32 (a job shares them with the forward's
+# other streams: ``MAX_SPAN_ROWS``) let quoting and repetition pay at length.
+AUTO_NGRAM = 5
+AUTO_MAX_DRAFT = 32
+
+
 class PromptLookup:
     """Drafts from the session's own history (``NgramIndex``), per job.
 
     Asked for (``speculative: {"mode": "prompt_lookup"}``) it always drafts
     what it finds. Turned on by the worker (``--speculate auto``,
     ``max_streams`` set) it drafts only while at most ``max_streams``
-    streams decode in the forward, where extra rows cost little, and after a
-    draft of which nothing was accepted it rests for 1, 2, 4, ... up to 16
-    tokens, so text that does not repeat costs next to nothing.
+    streams decode in the forward, where extra rows cost little, and sizes
+    its drafts by what the target kept: a draft kept whole doubles the next
+    (from 4 up to ``max_draft``), one kept in part sets it to what was kept
+    plus one, and after a draft of which nothing was kept it rests for 1, 2,
+    4, ... up to 16 tokens. Every row of a span is scored with the whole
+    head, so a long draft pays only where text repeats at length (quoting,
+    loops), and text that does not repeat costs next to nothing.
     """
 
     def __init__(self, ngram: int = 3, max_draft: int = 8, max_streams: int | None = None) -> None:
+        if max_streams is not None:
+            max_streams = max(1, max_streams)
         self.ngram = ngram
         self.max_draft = max_draft
         self.max_streams = max_streams
         self.index = NgramIndex(ngram, slack=max(64, 2 * max_draft + 4))
+        self.size = min(4, max_draft)  # the next draft's length (automatic mode)
         self.rest = 0  # tokens to go without drafting (automatic mode)
         self.misses = 0  # drafts in a row of which nothing was accepted
         self.last: tuple[int, list[int]] | None = None  # (where it starts, the draft)
@@ -138,17 +162,27 @@ class PromptLookup:
         if self.rest > 0:
             self.rest -= 1
             return []
-        drafted = self.index.draft(history, min(self.max_draft, limit))
+        drafted = self.index.draft(history, min(self.size, limit))
         self.last = (len(history), drafted) if drafted else None
         return drafted
 
     def _learn(self, history: list[int]) -> None:
-        """How much of the last draft the target kept: rest after a miss."""
+        """How much of the last draft the target kept: the next draft's
+        length, and a rest after a miss."""
         if self.last is None:
             return
         start, drafted = self.last
         self.last = None
-        if history[start : start + 1] == drafted[:1]:
+        kept = 0
+        for mine, theirs in zip(drafted, history[start : start + len(drafted)], strict=False):
+            if mine != theirs:
+                break
+            kept += 1
+        if kept == len(drafted):
+            self.size = min(2 * self.size, self.max_draft)
+        else:
+            self.size = max(1, min(kept + 1, self.max_draft))
+        if kept:
             self.misses = 0
             return
         self.misses += 1

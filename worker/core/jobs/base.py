@@ -160,6 +160,11 @@ class Ticket:
 # logits buffer llama.cpp keeps grows to the most rows ever asked and never
 # shrinks, n_vocab x 4 B a row (1 MiB for Gemma 3), so spans go in pieces.
 MAX_LOGIT_ROWS = 7
+# Rows the speculative spans of one forward share (the next tokens and their
+# drafts): one stream drafts up to 32, n streams 32 / n each, but never fewer
+# than a verify piece's 6, so the logits buffer is never larger than before
+# (lanes x 7 rows) and one stream's long drafts cost ~33 rows, once.
+MAX_SPAN_ROWS = 33
 
 PHASE_DECODE = 0
 PHASE_ATOMIC = 1

@@ -40,6 +40,7 @@ from ..speculative import Drafter
 from ..suspend import Resume, moved_name
 from .base import (
     MAX_LOGIT_ROWS,
+    MAX_SPAN_ROWS,
     PHASE_DECODE,
     PHASE_PREFILL,
     Job,
@@ -203,7 +204,7 @@ class GenerateJob(Job):
         # are batch-invariant), so speculation never changes the output; the
         # span is capped only to keep llama.cpp's logits buffer small.
         room = min(
-            MAX_LOGIT_ROWS - 1,
+            max(MAX_LOGIT_ROWS, MAX_SPAN_ROWS // max(1, self.streams)) - 1,
             budget - 1,
             rt.ctx_per_lane - self.session.position - 1,
             self.max_tokens - self.shown - len(self.completion) - 1,
