@@ -162,6 +162,7 @@ def main() -> None:
         help="the gateway's routing policy (default: the gateway's own default)",
     )
     ap.add_argument("--gateway-args", default="", help="extra skiff-gateway flags")
+    ap.add_argument("--worker-args", default="", help="extra skiff-worker flags")
     args = ap.parse_args()
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="skiff-gw-bench-") as tmp_s:
@@ -171,7 +172,7 @@ def main() -> None:
             workers = [f"ipc://{tmp}/w{i}.sock" for i in range(2)]
             for i, ep in enumerate(workers):
                 cmd = [py, "-m", "worker.cli", "--bind", ep, "--threads", "1"]
-                cmd += ["--lanes", "8", "--ctx", "8192"]
+                cmd += ["--lanes", "8", "--ctx", "8192", *shlex.split(args.worker_args)]
                 procs.append(start(cmd, tmp / f"w{i}.log"))
             for ep, proc in zip(workers, procs, strict=True):
                 wait_ping(ep, proc)
