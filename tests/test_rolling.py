@@ -112,6 +112,24 @@ def _follow(endpoint: str, args: dict[str, Any], session: str | None, out: dict[
             out["error"] = f"{exc.code}: {exc.message}"
 
 
+def _running(
+    gw: str, streams: list[tuple[dict[str, Any], str | None]]
+) -> list[tuple[threading.Thread, dict[str, Any]]]:
+    """Streams followed on threads (args, session), once each has 3 tokens."""
+    runs = []
+    for args, session in streams:
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=_follow, args=(gw, args, session, out))
+        t.start()
+        runs.append((t, out))
+    for _, out in runs:
+        wait_until(
+            lambda out=out: len(_tokens(out.get("events", []))) >= 3,  # type: ignore[misc]
+            what="every stream running",
+        )
+    return runs
+
+
 def _tokens(events: list[dict[str, Any]]) -> list[int]:
     return [e["token"] for e in events if e.get("event") == "token"]
 
@@ -147,19 +165,7 @@ def test_a_rolling_restart_moves_streams_and_sessions_exactly(pair: Pair) -> Non
         # The load: 16 open sessions, 8 streams running.
         for i in range(SESSIONS):
             c.call("generate", f"s{i}", {"prompt": _session_prompt(i), "max_tokens": 1})
-    runs = []
-    for i in range(8):
-        out = {}
-        t = threading.Thread(
-            target=_follow, args=(gw, _stream_args(i), f"st{i}" if i < 4 else None, out)
-        )
-        t.start()
-        runs.append((t, out))
-    for _, out in runs:
-        wait_until(
-            lambda out=out: len(_tokens(out.get("events", []))) >= 3,  # type: ignore[misc]
-            what="every stream running",
-        )
+    runs = _running(gw, [(_stream_args(i), f"st{i}" if i < 4 else None) for i in range(8)])
     moved_before = pair.status().get("streams_moved", 0)
 
     # The rolling restart.
@@ -201,17 +207,7 @@ def test_a_worker_holding_only_sessionless_streams_hands_them_over(pair: Pair) -
         _follow(gw, _stream_args(20 + i), None, out)
         assert "error" not in out
         refs.append(out["events"])
-    runs = []
-    for i in range(2):
-        out = {}
-        t = threading.Thread(target=_follow, args=(gw, _stream_args(20 + i), None, out))
-        t.start()
-        runs.append((t, out))
-    for _, out in runs:
-        wait_until(
-            lambda out=out: len(_tokens(out.get("events", []))) >= 3,  # type: ignore[misc]
-            what="both streams running",
-        )
+    runs = _running(gw, [(_stream_args(20 + i), None) for i in range(2)])
     holder = next(w["endpoint"] for w in pair.status()["workers"] if w["in_flight"])
     moved_before = pair.status().get("streams_moved", 0)
     pair.restart(holder)
