@@ -27,7 +27,7 @@ from typing import Any
 
 from .errors import bad
 
-MAX_TOOLS = 128  # the worker's limit too (worker/api/tools.py)
+MAX_TOOLS = 128  # the worker's limit too (worker/api/messages.py)
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
