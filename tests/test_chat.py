@@ -157,6 +157,7 @@ def test_chat_job_gets_the_end_of_turn_stop() -> None:
         prompt_limit=0,
         projector=None,
         speculate_streams=2,
+        span_rows=33,
         draining=False,
         chunk=256,
         ticket=lambda req: SimpleNamespace(id=req.id),

@@ -30,7 +30,7 @@ from .api.validate import Context
 from .chain.setup import StagePlan, link_for
 from .config import WorkerConfig, park_bytes
 from .core.chat import ChatTemplate
-from .core.jobs.base import Event, Failure, Job, Outbox, Output, Tensors, Ticket
+from .core.jobs.base import MAX_SPAN_ROWS, Event, Failure, Job, Outbox, Output, Tensors, Ticket
 from .core.scheduler import Scheduler, SchedulerConfig
 from .core.speculative import DraftModel
 from .engine import Engine, LlamaGrammars
@@ -94,6 +94,7 @@ class LlmService:
         # prompt never waits on running streams (nor they on it).
         self.chunk = max(1, min(cfg.prefill_chunk, cfg.budget - cfg.lanes))
         self.speculate_streams = cfg.speculate_streams if cfg.speculate == "auto" else None
+        self.span_rows = max(2, min(MAX_SPAN_ROWS, cfg.send_hwm // 2))  # api.app.App
         self.sched = Scheduler(
             self.rt,
             SchedulerConfig(

@@ -51,6 +51,9 @@ class App(Protocol):
     # --speculate auto: generations that ask for no speculation draft while
     # at most this many streams decode; None: --speculate off
     speculate_streams: int | None
+    # most rows of one speculative span: half of --send-hwm at most, so the
+    # token events of accepted drafts never fill a reading peer's queue
+    span_rows: int
 
     def ticket(self, req: Request) -> Ticket: ...
 

@@ -91,6 +91,7 @@ def generation_job(app: App, req: Request, gen: Generation) -> GenerateJob:
         "outputs": gen.outputs,
         "prompt_limit": app.prompt_limit,
         "resume": gen.resume,
+        "span_rows": app.span_rows,
     }
     ticket = app.ticket(req)
     if gen.messages is None:  # generate: its prompt, or a moved stream's pending tokens

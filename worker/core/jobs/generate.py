@@ -72,9 +72,13 @@ class GenerateJob(Job):
         outputs: tuple[str, ...] = (),
         prompt_limit: int = 0,
         resume: Resume | None = None,
+        span_rows: int = MAX_SPAN_ROWS,
     ) -> None:
         super().__init__(ticket, [session])
         self.resume = resume  # continuing a stream suspended on another worker
+        # most rows (so token events) of one speculative span: a burst of
+        # accepted drafts must stay under the peer's send queue (--send-hwm)
+        self.span_rows = span_rows
         # most tokens a text prompt may become (--max-request-tokens); 0 = no
         # limit but the lane's. Token prompts are held to it by the handler.
         self.prompt_limit = prompt_limit
@@ -204,7 +208,7 @@ class GenerateJob(Job):
         # are batch-invariant), so speculation never changes the output; the
         # span is capped only to keep llama.cpp's logits buffer small.
         room = min(
-            max(MAX_LOGIT_ROWS, MAX_SPAN_ROWS // max(1, self.streams)) - 1,
+            min(self.span_rows, max(MAX_LOGIT_ROWS, MAX_SPAN_ROWS // max(1, self.streams))) - 1,
             budget - 1,
             rt.ctx_per_lane - self.session.position - 1,
             self.max_tokens - self.shown - len(self.completion) - 1,
