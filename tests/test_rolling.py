@@ -130,6 +130,18 @@ def _running(
     return runs
 
 
+def _ended(runs: list[tuple[threading.Thread, dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Each followed stream's events, once every one ended without an error
+    and with exactly one ``done``."""
+    for t, _ in runs:
+        t.join(WAIT_S * 4)
+        assert not t.is_alive(), "a stream did not end"
+    for i, (_, out) in enumerate(runs):
+        assert "error" not in out, f"stream {i}: {out['error']}"
+        assert sum(1 for e in out["events"] if e.get("done")) == 1, f"stream {i}"
+    return [out["events"] for _, out in runs]
+
+
 def _tokens(events: list[dict[str, Any]]) -> list[int]:
     return [e["token"] for e in events if e.get("event") == "token"]
 
@@ -173,14 +185,8 @@ def test_a_rolling_restart_moves_streams_and_sessions_exactly(pair: Pair) -> Non
     pair.restart(first)
     pair.restart(second)
 
-    for t, _ in runs:
-        t.join(WAIT_S * 4)
-        assert not t.is_alive(), "a stream did not end"
-    for i, (_, out) in enumerate(runs):
-        assert "error" not in out, f"stream {i}: {out['error']}"
-        events = out["events"]
+    for i, events in enumerate(_ended(runs)):
         assert [e for e in events if e.get("event") == "done"][-1]["finish_reason"] == "length"
-        assert sum(1 for e in events if e.get("done")) == 1
         assert _tokens(events) == _tokens(ref_streams[i]), f"stream {i} differs"
         assert _text(events) == _text(ref_streams[i])
     assert pair.status().get("streams_moved", 0) > moved_before
@@ -211,11 +217,6 @@ def test_a_worker_holding_only_sessionless_streams_hands_them_over(pair: Pair) -
     holder = next(w["endpoint"] for w in pair.status()["workers"] if w["in_flight"])
     moved_before = pair.status().get("streams_moved", 0)
     pair.restart(holder)
-    for t, _ in runs:
-        t.join(WAIT_S * 4)
-        assert not t.is_alive(), "a stream did not end"
-    for i, (_, out) in enumerate(runs):
-        assert "error" not in out, f"stream {i}: {out['error']}"
-        assert _tokens(out["events"]) == _tokens(refs[i]), f"stream {i} differs"
-        assert sum(1 for e in out["events"] if e.get("done")) == 1
+    for i, events in enumerate(_ended(runs)):
+        assert _tokens(events) == _tokens(refs[i]), f"stream {i} differs"
     assert pair.status().get("streams_moved", 0) > moved_before, "no stream was moved"

@@ -153,12 +153,13 @@ class PromptLookup:
         self.last: tuple[int, list[int]] | None = None  # (where it starts, the draft)
 
     def draft(self, session: Session, next_token: int, limit: int, streams: int = 1) -> list[int]:
+        if self.max_streams is not None and (streams > self.max_streams or limit <= 0):
+            self.last = None  # crowded: no copy of the history, nothing to learn from
+            return []
         history = [*session.tokens, next_token]
         if self.max_streams is None:
             return self.index.draft(history, min(self.max_draft, limit))
         self._learn(history)
-        if streams > self.max_streams or limit <= 0:
-            return []
         if self.rest > 0:
             self.rest -= 1
             return []
