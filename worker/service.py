@@ -309,7 +309,7 @@ _DOWNSTREAM_OPS = {
 }
 # Ops the head of a chain cannot serve: they need this process's logits or all the KV.
 # signal / signal_window are asked of the last stage (where the logits are);
-# verify and speculative rows are sampled there (runtime.rows.RowRule);
+# verify and speculative rows are sampled there (runtime.steps.RowRule);
 # export_state / import_state gather every stage's cells.
 _NOT_ON_CHAIN: set[str] = set()
 

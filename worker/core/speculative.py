@@ -7,7 +7,7 @@ followed it. It needs no extra model and shines on edits of given text.
 Acceptance is exact: the target samples position by position and a draft
 token is kept only while it equals what the target itself produced, so the
 output is the output without speculation (up to batch-shape numerics). The
-rule itself (``accept``) lives in ``runtime.rows``, where the rows are
+rule itself (``accept``) lives in ``runtime.steps``, where the rows are
 sampled.
 """
 
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 from ..runtime import DraftRuntime, Session
-from ..runtime.rows import accept
+from ..runtime.steps import accept
 
 
 def lookup_draft(history: Sequence[int], ngram: int, max_draft: int) -> list[int]:

@@ -11,10 +11,9 @@ We read each involved lane's real position back and move exactly the
 sessions that advanced (their token history is cut to match), then raise
 ``EngineFault`` saying which ones moved.
 
-Sampling and capturing a forward's output rows (``sample_row``,
-``sampler_for``, a step's token / rows / tensors) is ``self.rows``, a
-``RowReader`` (``outputs.py``); the prefix-cache policy and counters are in
-``prefix.py``.
+Reading a forward's output rows (sampling, logprobs, tensors) is
+``self.rows``, a ``RowReader`` (``steps.py``); the prefix cache's policy and
+counters are in ``prefix.py``.
 
 With a ``Park`` (``park.py``, ``--park-bytes``) lanes are a cache over
 sessions: ``admit`` parks the least recently used idle session when a new
@@ -37,11 +36,10 @@ from ..engine import Engine, Segment
 from . import chain
 from .chain import Call, Flight
 from .lanes import LanePool, Session, SessionId
-from .outputs import RowReader, output_rows
 from .park import Park, make_room, parkable, restore
 from .prefix import MIN_PREFIX_REUSE, PrefixStats, window_holds
 from .signals import session_signals
-from .steps import Step, StepResult, group_steps
+from .steps import RowReader, Step, StepResult, group_steps, output_rows
 from .tail import Tail
 
 __all__ = ["RuntimeState"]
@@ -345,13 +343,7 @@ class RuntimeState:
         self, steps: Sequence[Step], hidden: bool, non_causal: bool = False
     ) -> list[StepResult]:
         segments = [
-            Segment(
-                s.session.lane,
-                s.tokens,
-                s.session.position,
-                output_rows(s),
-                s.embd,
-            )
+            Segment(s.session.lane, s.tokens, s.session.position, output_rows(s), s.embd)
             for s in steps
         ]
         if non_causal and sum(len(s) for s in segments) > self.engine.n_ubatch:

@@ -22,8 +22,7 @@ import numpy as np
 
 from faults import Fault
 
-from .rows import RowRule
-from .steps import Origin
+from .steps import Origin, RowRule
 
 
 @dataclass

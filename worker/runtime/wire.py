@@ -28,8 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .rows import RowRule
-from .steps import Origin, StepResult
+from .steps import Origin, RowRule, StepResult
 from .tail import TailResult, TailStep
 
 STEP_FIELDS = frozenset(

@@ -14,13 +14,10 @@ it in front of the next ``generate`` prompt, so multi-turn continuation sees
 exactly the text it was shown.
 
 A running stream can move to another worker (``suspend``, a gateway's
-drain): between two turns the job ends with a ``suspended`` event carrying
-``resume`` (tokens shown so far, usage, text held back as a possible stop,
-the UTF-8 decoder's partial character) and leaves the session with what was
-not yet fed as ``pending``; the session is exported with its sampler, and a
-``generate`` with ``resume`` on the other worker goes on from there. Rows
-are computed as if alone, so the tokens equal those of a run that never
-moved.
+drain): between two turns the job ends with a ``suspended`` event whose
+``resume`` (``core/suspend.py``) a ``generate`` on the other worker goes on
+from, with the session exported; rows are computed as if alone, so the
+tokens equal those of a run that never moved.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from faults import BadRequest
 
 from ...limits import check
 from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
-from ...runtime.rows import RowRule
+from ...runtime.steps import RowRule
 from ...spec import SamplerSpec
 from ..speculative import Drafter
 from ..suspend import Resume, moved_name
@@ -328,15 +325,14 @@ class GenerateJob(Job):
             # The last shown token never reached the KV cache; the next turn feeds it.
             self.session.pending = [self.next_token]
         now = time.monotonic()
+        started = self.t_start or now  # never started: it queued until now
         first = self.t_first or now
         summary: dict[str, Any] = {
             "finish_reason": reason,
             "usage": self._usage(),
             "timings": {
-                "queue_ms": round((self.t_start - self.ticket.received) * 1000, 3)
-                if self.t_start
-                else round((now - self.ticket.received) * 1000, 3),
-                "prefill_ms": round((first - self.t_start) * 1000, 3) if self.t_start else 0.0,
+                "queue_ms": round((started - self.ticket.received) * 1000, 3),
+                "prefill_ms": round((first - started) * 1000, 3),
                 "ttft_ms": round((first - self.ticket.received) * 1000, 3),
                 "decode_ms": round((now - first) * 1000, 3),
             },
@@ -358,17 +354,11 @@ class GenerateJob(Job):
         self._finish(rt, "cancelled")
 
     def _usage(self) -> dict[str, int]:
-        if self.resume is not None:  # counted as if the stream had never moved
-            return {
-                "prompt_tokens": self.resume.prompt_tokens,
-                "completion_tokens": self.shown + len(self.completion),
-                "cached_tokens": self.resume.cached_tokens,
-            }
-        return {
-            "prompt_tokens": len(self.tokens),
-            "completion_tokens": len(self.completion),
-            "cached_tokens": self.cached,
-        }
+        r = self.resume  # a moved stream counts as if it had never moved
+        prompt = r.prompt_tokens if r else len(self.tokens)
+        cached = r.cached_tokens if r else self.cached
+        completion = self.shown + len(self.completion)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
 
     # -- moving to another worker ---------------------------------------------------
 
@@ -388,11 +378,8 @@ class GenerateJob(Job):
             session.pending = [self.next_token]
         else:
             session.pending = self.tokens[self.done :]
-        usage = self._usage()
         resume = {
-            "completion_tokens": usage["completion_tokens"],
-            "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": usage["cached_tokens"],
+            **self._usage(),  # completion_tokens, prompt_tokens, cached_tokens
             "held": self._held,
             "utf8": self._utf8.getstate()[0],
             "drafted": self.drafted,

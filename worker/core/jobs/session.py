@@ -20,7 +20,7 @@ import numpy as np
 from faults import BadRequest, Fault
 
 from ...runtime import Call, RuntimeState, Session, SessionId, Step, StepResult
-from ...runtime.rows import RowRule
+from ...runtime.steps import RowRule
 from ...spec import SamplerSpec
 from .base import (
     MAX_LOGIT_ROWS,

@@ -18,7 +18,7 @@ from faults import BadRequest, LanesBusy
 
 from ...runtime import Call, Origin, RuntimeState, Session, SessionId, Step, StepResult, wire
 from ...runtime.portable import export_session, import_session
-from ...runtime.rows import RowRule
+from ...runtime.steps import RowRule
 from ...runtime.tail import Answer
 from ...spec import SamplerSpec
 from .base import PHASE_ATOMIC, Job, Tensors, Ticket
