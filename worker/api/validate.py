@@ -1,19 +1,17 @@
 """Argument validation at the edge: bad input becomes ``bad_request``.
 
-Each helper names the offending field in its message so a client can fix
-its request without reading our source. A well-formed value over one of the
-worker's ``Limits`` is ``limit_exceeded`` instead, naming the limit's flag
-(``worker/limits.py``), so a client can tell "fix the request" from "this
-worker is configured smaller". A kind carries the name of the limit it is
-held to and compares against it in the same pass (``worker/limits.py`` is
-entered only to word the error, when a value is over). msgpack gives us plain Python values; note
-that ``bool`` is an ``int`` subclass and must be refused where an integer is
-expected. A value is checked for its type before anything else touches it
-(a peer may send any nesting of maps and lists). Fields are declared as
-kinds (``Int``, ``Str``, ``Tokens``, ...) in a table that ``read_fields``
-reads in one pass; ``sampling`` maps have theirs in ``sampling.py``.
-
-This module imports neither the engine nor llama.cpp.
+Each rule names the offending field in its message, so a client can fix its
+request without reading our source. A well-formed value over one of the
+worker's ``Limits`` is ``limit_exceeded`` instead, naming the limit's flag,
+so a client can tell "fix the request" from "this worker is configured
+smaller"; a kind compares a value with its limit in the same pass
+(``worker/limits.py`` is entered only to word the error). msgpack gives
+plain Python values, and ``bool`` is an ``int`` subclass that must be
+refused where an integer is expected; a value's type is checked before
+anything else touches it (a peer may send any nesting of maps and lists).
+Fields are declared as kinds (``Int``, ``Str``, ``Tokens``, ...) in a table
+that ``read_fields`` reads in one pass; ``sampling`` maps have theirs in
+``sampling.py``. This module imports neither the engine nor llama.cpp.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import frame_limits, frames
@@ -287,18 +285,15 @@ def get_int(
     hi: int | None = None,
 ) -> int:
     """One integer field (a table of one ``Int``)."""
-    value: int = _one(args, name, Int(default, lo, hi))
-    return value
+    return cast(int, _one(args, name, Int(default, lo, hi)))
 
 
 def get_bool(args: dict[str, Any], name: str, default: bool) -> bool:
-    value: bool = _one(args, name, Bool(default))
-    return value
+    return cast(bool, _one(args, name, Bool(default)))
 
 
 def get_str(args: dict[str, Any], name: str, *, max_len: int = 1 << 20) -> str:
-    value: str = _one(args, name, Str(max_len=max_len))
-    return value
+    return cast(str, _one(args, name, Str(max_len=max_len)))
 
 
 def get_session(session: str | None) -> str:
@@ -344,8 +339,7 @@ def get_prompt_tokens(
         _DEFAULT_LIMITS, max_request_tokens=cells if most is None else most
     )
     ctx = Context(limits=limits, n_vocab=n_vocab, cells=cells)
-    tokens: list[int] = read_fields(args, {name: PromptTokens(REQUIRED)}, ctx)[name]
-    return tokens
+    return cast(list[int], read_fields(args, {name: PromptTokens(REQUIRED)}, ctx)[name])
 
 
 # Rows of logits one reply may carry (each is n_vocab floats: 1 MiB here).
@@ -355,10 +349,8 @@ MAX_LOGIT_ROWS = 64
 def get_tokens(
     args: dict[str, Any], name: str, n_vocab: int, *, max_len: int, allow_empty: bool = False
 ) -> list[int]:
-    value: list[int] = read_fields(
-        args, {name: Tokens(max_len=max_len, allow_empty=allow_empty)}, Context(n_vocab=n_vocab)
-    )[name]
-    return value
+    rule = Tokens(max_len=max_len, allow_empty=allow_empty)
+    return cast(list[int], read_fields(args, {name: rule}, Context(n_vocab=n_vocab))[name])
 
 
 def get_outputs(args: dict[str, Any]) -> tuple[str, ...]:
@@ -375,8 +367,7 @@ def outputs_of(args: dict[str, Any], read: dict[str, Any]) -> tuple[str, ...]:
         return ("logits",) if read["return_logits"] else ()
     if "return_logits" in args:
         raise BadRequest("give output or return_logits, not both")
-    value: tuple[str, ...] = read["output"]
-    return value
+    return cast(tuple[str, ...], read["output"])
 
 
 def check_logit_rows(outputs: tuple[str, ...], rows: int) -> None:

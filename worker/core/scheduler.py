@@ -8,14 +8,12 @@ then build one batch under the token budget:
    concurrent decodes from different peers coalesce into one forward);
 2. atomic batches (``decode_batch``, ``iteration_batch``), whole or not at
    all; one that did not fit goes first next turn;
-3. prefill pieces, the prompt closest to done first (shortest remaining
-   prompt first: the order that makes the mean time to first token
-   smallest), and while several prompts wait, one piece a turn: each turn
-   finishes the next prompt and starts its stream instead of carrying every
-   prompt a little further, and a long prompt never holds running streams
-   for more than one piece. A prompt that has waited ``PREFILL_AGE_S``
-   goes first whatever its length, so short ones arriving all the time
-   cannot starve it.
+3. prefill pieces, shortest remaining prompt first (the order that makes
+   the mean time to first token smallest), and while several prompts wait,
+   one piece a turn: each turn finishes the next prompt and starts its
+   stream instead of carrying every prompt a little further, and a long
+   prompt never holds running streams for more than one piece. A prompt
+   that has waited ``PREFILL_AGE_S`` goes first whatever its length.
 
 A job whose next step must run alone (``Job.wants_exclusive``: an image
 decoded with non-causal attention, which llama.cpp applies to the whole
@@ -35,19 +33,17 @@ The scheduler knows nothing about sockets: jobs answer through their
 ``Ticket`` into the outbox, which the edge empties after the turn.
 
 What happens after a forward (the turn clock, completing and failing jobs,
-isolating a failed forward, a pipeline stage's flights and the answers to
-its other requests down the chain) is ``self.outcomes``, an ``Outcomes``
-(``outcomes.py``) that borrows the scheduler's ``_finish``. A job waiting
-for the chain (``Outcomes.aside``: its forward in flight, or a trim, drop,
-export, ... about its sessions unanswered) is neither planned nor reaped,
-and holds its sessions, so their later ops stay behind it.
+isolating a failed forward, a stage's flights and answers down the chain)
+is ``self.outcomes`` (``outcomes.py``), which borrows ``_finish``. A job
+waiting for the chain (``Outcomes.aside``) is neither planned nor reaped and
+holds its sessions, so their later ops stay behind it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from structlog import get_logger
@@ -62,9 +58,8 @@ from .peers import PeerLimits
 _log = get_logger("skiff.scheduler")
 # A prompt waiting this long goes first, whatever its length (no starvation).
 PREFILL_AGE_S = 2.0
-_LAND_WAIT_MS = (
-    20  # a stage with nothing to plan waits this long for the chain, then serves its socket
-)
+# a stage with nothing to plan waits this long for the chain, then serves its socket
+_LAND_WAIT_MS = 20
 
 
 @dataclass(frozen=True)
@@ -74,13 +69,10 @@ class SchedulerConfig:
     admission_timeout_ms: int = 60_000
     cadence: float = 0.0  # a turn with streams decoding lasts at most this x a decode turn; 0 = off
     chain_credit: int = 2  # a pipeline stage's forwards in flight down the chain at once
-    # Decode groups a pipeline stage keeps apart (one per stage on separate
-    # hosts: each stage computes one group while the next computes another);
-    # 1 = decode rows wait to rejoin the streams in flight (shared cores).
+    # decode groups a stage keeps apart (one per stage on separate hosts, each
+    # computing one while the next computes another); 1 = rejoin (shared cores)
     pipeline_groups: int = 1
-    # while several prompts wait, the prefill tokens of one turn (a piece):
-    # the shortest finishes and starts decoding, the others follow in turn
-    prefill_chunk: int = 128
+    prefill_chunk: int = 128  # while several prompts wait, one turn's prefill (a piece)
     max_sessions_per_peer: int = 0  # named sessions one peer holds, admitted or queued; 0 = off
     max_streams_per_peer: int = 0  # generations one peer has queued or running; 0 = off
 
@@ -124,18 +116,13 @@ class Scheduler:
         return max(10, int(self.stats.mean_turn_ms() * max(1, len(self.pending))))
 
     def cancel(self, owner: Hashable, req_id: int) -> bool:
-        for job in self._all_jobs():
-            if job.ticket.owner == owner and job.ticket.id == req_id and not job.cancelled:
-                job.cancelled = True
-                return True
-        return False
+        return self._cancel(lambda j: j.ticket.owner == owner and j.ticket.id == req_id) > 0
 
     def suspend(self, owner: Hashable, req_id: int) -> bool:
         """Ask one of ``owner``'s streams to stop between two turns and hand
-        its state over (``Job.on_suspend``: a ``suspended`` final event). A
-        stream still queued ends at once with ``resume: None`` (it can simply
-        be sent elsewhere). False when there is no such stream, or it cannot
-        move (its sampler state does not travel)."""
+        its state over (``Job.on_suspend``: a ``suspended`` final event); one
+        still queued ends at once with ``resume: None`` (send it elsewhere).
+        False when there is no such stream, or it cannot move."""
         for job in list(self.pending):
             if job.ticket.owner == owner and job.ticket.id == req_id and job.suspendable():
                 self.pending.remove(job)
@@ -153,21 +140,18 @@ class Scheduler:
         """Cancel every job of one owner (a peer that went away or stopped reading);
         the sessions it admitted stop counting against it."""
         self.peers.forget(owner)
-        count = 0
-        for job in self._all_jobs():
-            if job.ticket.owner == owner and not job.cancelled:
-                job.cancelled = True
-                count += 1
-        return count
+        return self._cancel(lambda j: j.ticket.owner == owner)
 
     def cancel_all(self) -> int:
         """Cancel every job (a drain's timeout); each ends with its final event."""
-        count = 0
-        for job in self._all_jobs():
-            if not job.cancelled:
-                job.cancelled = True
-                count += 1
-        return count
+        return self._cancel(lambda j: True)
+
+    def _cancel(self, which: Callable[[Job], bool]) -> int:
+        """Mark the live jobs ``which`` picks cancelled (the next turn reaps them)."""
+        picked = [j for j in self._all_jobs() if not j.cancelled and which(j)]
+        for job in picked:
+            job.cancelled = True
+        return len(picked)
 
     def knows_session(self, session_id: SessionId) -> bool:
         """True when queued or running work names this session."""
@@ -248,17 +232,15 @@ class Scheduler:
         if queued and job.waits_for_lane:
             waited_ms = (now - job.ticket.received) * 1000
             if waited_ms > self.cfg.admission_timeout_ms:
+                why = "no lane, or its session busy"
                 return DeadlineExceeded(
-                    f"not started within {self.cfg.admission_timeout_ms} ms (no lane, or its "
-                    "session busy)"
+                    f"not started within {self.cfg.admission_timeout_ms} ms ({why})"
                 )
         return None
 
     def _count_stop(self, reason: Fault) -> None:
-        if isinstance(reason, Cancelled):
-            self.stats.cancelled += 1
-        else:
-            self.stats.expired += 1
+        self.stats.cancelled += isinstance(reason, Cancelled)
+        self.stats.expired += not isinstance(reason, Cancelled)
 
     def _start_pending(self, now: float) -> None:
         """Start queued jobs in order. A session's jobs run one at a time; and

@@ -1,9 +1,9 @@
 """The only package that imports ``llama_cpp``; see ``model.Engine``."""
 
 from . import kernels
-from .batch import OutputMode, Segment
+from .batch import DecodeStatus, OutputMode, Segment
 from .grammar import LlamaGrammars, SamplerError
-from .model import DecodeStatus, Engine, EngineConfig, EngineError
+from .model import Engine, EngineConfig, EngineError
 from .sampling import Sampler
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Filling one reusable ``llama_batch`` from segments.
+"""Filling one reusable ``llama_batch`` from segments, and what decoding it said.
 
 A segment is a run of consecutive tokens of one sequence (lane). The batch
 is allocated once at ``n_batch`` capacity; its token/pos/logits arrays are
@@ -105,6 +105,25 @@ class Batch:
 
     def free(self) -> None:
         ll.llama_batch_free(self.raw)
+
+
+@dataclass(frozen=True)
+class DecodeStatus:
+    """Outcome of one ``llama_decode``. ``code`` is llama.cpp's return value."""
+
+    code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+    def describe(self) -> str:
+        return {
+            0: "ok",
+            1: "no KV slot for the batch (context full)",
+            2: "aborted",
+            -1: "invalid input batch",
+        }.get(self.code, f"fatal error {self.code}")
 
 
 def ubatch_rows(seqs: Sequence[int], n_ubatch: int, per_lane_streams: bool) -> list[list[int]]:

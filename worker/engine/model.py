@@ -40,7 +40,7 @@ import llama_cpp as ll
 import numpy as np
 
 from . import kernels, pages
-from .batch import Batch, Segment, ubatch_rows
+from .batch import Batch, DecodeStatus, Segment, ubatch_rows
 from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import FileDigest, restream
 from .tap import LayerTap, TapError, in_batch_order
@@ -77,25 +77,6 @@ class EngineConfig:
     tap_stop: bool = False  # and stop the graph after the last of them
     # after loading, keep only the model pages read since (pages.py): a stage
     page_on_demand: bool = False
-
-
-@dataclass(frozen=True)
-class DecodeStatus:
-    """Outcome of one ``llama_decode``. ``code`` is llama.cpp's return value."""
-
-    code: int
-
-    @property
-    def ok(self) -> bool:
-        return self.code == 0
-
-    def describe(self) -> str:
-        return {
-            0: "ok",
-            1: "no KV slot for the batch (context full)",
-            2: "aborted",
-            -1: "invalid input batch",
-        }.get(self.code, f"fatal error {self.code}")
 
 
 class Engine:
