@@ -2,7 +2,7 @@
 
 A handler reads a header into one of these in one pass over its op's table
 (``generate.read_generation`` / ``read_chat``), and the job is built from it
-by one function (``generate.generation_job``): the reading knows the wire's
+by one function (``jobs.generation_job``): the reading knows the wire's
 names and limits, the building knows the worker (its draft model, its chat
 template, its projector), and the job below the line sees neither a header
 nor a dict from the wire.

@@ -32,8 +32,8 @@ from ..runtime import Origin, wire
 from ..runtime.steps import RowRule
 from ..spec import SamplerSpec
 from .app import App, Handler
-from .generate import next_ephemeral
 from .handlers import session_entries
+from .jobs import next_ephemeral
 from .sampling import get_sampling
 from .validate import (
     check_request_tokens,
