@@ -10,7 +10,9 @@ One run, same machine, same workers:
   ``/v1/completions``, streamed), ``--rounds`` times with the order rotating
   each round (the workers' prefix caches warm up over the run: no front may
   always go last); the ratio is taken against the mean of the direct runs
-  (the bar: >= 0.97), beside the gateway process's CPU per load;
+  (the bar: >= 0.97), beside the gateway process's CPU per load and the
+  tokens the workers' forwards computed (the same requests and new tokens
+  on every front: more computed is prompt prefixes missed in the caches);
 - the gateway's overhead per streamed message: round trips of a forwarded
   op (``tokenize`` of one word; the gateway answers ``ping`` itself)
   through the gateway minus direct ones, p50 over many, on an idle system;
@@ -125,11 +127,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def requests_served(endpoints: list[str]) -> list[int]:
+def worker_counts(endpoints: list[str]) -> list[tuple[int, int]]:
+    """Each worker's (requests served, tokens its forwards computed): with the
+    same requests and new tokens on every front, a front whose workers compute
+    more tokens lost prompt prefixes to cache misses."""
     out = []
     for ep in endpoints:
         with Client(ep) as c:
-            out.append(int(c.stats()["requests"]))
+            stats = c.stats()
+            out.append((int(stats["requests"]), int(stats["tokens_evaluated"])))
     return out
 
 
@@ -203,6 +209,7 @@ def main() -> None:
             # alternate the fronts so drift on a noisy machine hits each alike
             runs: dict[str, list[dict[str, Any]]] = {}
             splits: dict[str, list[int]] = {}
+            computed: dict[str, list[int]] = {}
             fronts = [
                 ("direct", workers),
                 ("gateway (ZeroMQ)", [gateway]),
@@ -212,12 +219,14 @@ def main() -> None:
             for r in range(args.rounds):
                 # the order rotates each round: warm caches and drift hit every front alike
                 for name, eps in fronts[r % 3 :] + fronts[: r % 3]:
-                    before = requests_served(workers)
+                    before = worker_counts(workers)
                     cpu0 = cpu_seconds(procs[-1].pid)
                     runs.setdefault(name, []).append(load(eps, args))
                     gw_cpu.setdefault(name, []).append(cpu_seconds(procs[-1].pid) - cpu0)
-                    after = requests_served(workers)
-                    split = [b - a for a, b in zip(before, after, strict=True)]
+                    after = worker_counts(workers)
+                    split = [b[0] - a[0] for a, b in zip(before, after, strict=True)]
+                    tokens = sum(b[1] - a[1] for a, b in zip(before, after, strict=True))
+                    computed.setdefault(name, []).append(tokens)
                     splits[name] = [
                         x + y for x, y in zip(splits.get(name, [0, 0]), split, strict=True)
                     ]
@@ -246,6 +255,7 @@ def main() -> None:
         wall = statistics.mean(r["duration_s"] for r in rs)
         cpu = statistics.mean(gw_cpu[name])
         split += f" | gateway CPU {cpu:.1f} s ({cpu / wall:.0%} of a core)"
+        split += f" | tokens computed {statistics.mean(computed[name]):.0f} a run"
         print(
             f"  {name:17s} {tok_s(name):6.1f} tok/s ({each}) | ratio to direct "
             f"{tok_s(name) / base:.3f} | ITL p50 {itl:.1f} ms | errors {errors}{split}"
