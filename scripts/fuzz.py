@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from fuzzcases import Case, Generator, Target  # noqa: E402
+from _fuzz_ops import Target  # noqa: E402
+from fuzzcases import Case, Generator  # noqa: E402
 
 from faults import ErrorCode  # noqa: E402
 from protocol import sockets, transport  # noqa: E402
