@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 
 import cluster  # noqa: E402  (scripts/cluster.py: the same processes as `scripts/cluster up`)
 import psutil  # noqa: E402
+from _cluster_procs import ClusterError, Proc, load_state, start_time  # noqa: E402
 from soak_mix import Actor, Owned, Tally, Topology  # noqa: E402
 
 from protocol import Client, SkiffError  # noqa: E402
@@ -92,7 +93,7 @@ class Watched:
         if self.pid is None:
             return None
         if self.start_time is not None:
-            return cluster.start_time(self.pid) == self.start_time
+            return start_time(self.pid) == self.start_time
         try:
             return bool(psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE)
         except psutil.NoSuchProcess:
@@ -136,7 +137,7 @@ def topology(gateway: str) -> tuple[Topology, list[Watched]]:
     return topo, watched
 
 
-def attach_state(watched: list[Watched], procs: list[cluster.Proc]) -> None:
+def attach_state(watched: list[Watched], procs: list[Proc]) -> None:
     """Pids, start times and metrics ports from the cluster's own state."""
     by_endpoint = {p.endpoint: p for p in procs}
     for w in watched:
@@ -547,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.endpoint:
             gateway = args.endpoint
-            procs: list[cluster.Proc] = []
+            procs: list[Proc] = []
         else:
             run_dir = (args.run_dir or out / "cluster").resolve()
             if args.run_dir is None:
@@ -566,21 +567,21 @@ def main(argv: list[str] | None = None) -> int:
                 started = True
                 desc = cluster.cmd_up(up_args, run_dir)
             else:
-                desc = cluster.describe(run_dir, cluster.load_state(run_dir))
+                desc = cluster.describe(run_dir, load_state(run_dir))
             gateway = desc["gateway"]
             if not gateway:
-                raise cluster.ClusterError(f"no gateway in {run_dir}")
-            procs = cluster.load_state(run_dir)
+                raise ClusterError(f"no gateway in {run_dir}")
+            procs = load_state(run_dir)
         topo, watched = topology(gateway)
         attach_state(watched, procs)
         attach_local_pids(watched)
         return soak(args, out, topo, watched)
-    except (cluster.ClusterError, SkiffError) as exc:
+    except (ClusterError, SkiffError) as exc:
         print(f"soak: could not run: {exc}", file=sys.stderr)
         return 2
     finally:
         if started and run_dir is not None and not args.keep:
-            with contextlib.suppress(cluster.ClusterError):
+            with contextlib.suppress(ClusterError):
                 cluster.cmd_down(run_dir, grace=10.0)
 
 

@@ -64,8 +64,9 @@ def _gone(pid: int) -> bool:
 
 
 def _module() -> ModuleType:
-    """scripts/cluster.py as a module (its state helpers, for the SIGKILL test)."""
-    spec = importlib.util.spec_from_file_location("skiff_cluster", ROOT / "scripts" / "cluster.py")
+    """scripts/_cluster_procs.py as a module (launch and state, for the SIGKILL test)."""
+    path = ROOT / "scripts" / "_cluster_procs.py"
+    spec = importlib.util.spec_from_file_location("skiff_cluster_procs", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while building
@@ -227,7 +228,7 @@ def test_gateway_topology_up_status_down(run_dir: Path) -> None:
     code, down, err = _cluster(run_dir, "down", *GRACE)
     assert code == 0, err
     # A process killed after the grace period logs its stack dump and log tail
-    # in ``down``'s stderr (scripts/cluster.py stop): show them.
+    # in ``down``'s stderr (scripts/_cluster_procs.py stop): show them.
     assert set(down["stopped"].values()) == {"terminated"}, (down, err)
     assert all(_gone(pid) for pid in pids)
 
