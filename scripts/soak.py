@@ -68,7 +68,8 @@ sys.path.insert(0, str(ROOT))
 import cluster  # noqa: E402  (scripts/cluster.py: the same processes as `scripts/cluster up`)
 import psutil  # noqa: E402
 from _cluster_procs import ClusterError, Proc, load_state, start_time  # noqa: E402
-from soak_mix import Actor, Owned, Tally, Topology  # noqa: E402
+from _soak_tally import Owned, Tally, Topology  # noqa: E402
+from soak_mix import Actor  # noqa: E402
 
 from protocol import Client, SkiffError  # noqa: E402
 

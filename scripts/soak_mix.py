@@ -21,150 +21,26 @@ probe's own code, ``cancelled`` after a ``cancel``, ``lanes_busy`` /
 ``queue_full`` when the lanes are full. Anything else is *unexpected* and
 fails the soak (``internal``, ``worker_unavailable``, a client ``timeout``,
 a probe answered with another code than the one it provokes).
+
+Beside it: ``_soak_actor.py`` (an actor's sockets and random draws, under
+``Actor``), ``_soak_probes.py`` (the bad-input probes) and ``_soak_tally.py``
+(what the actors and ``scripts/soak.py`` share: ``Topology``, ``Tally``,
+``Owned``).
 """
 
 from __future__ import annotations
 
-import itertools
-import random
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import numpy as np
+from _soak_actor import QUESTIONS, SPEECH_TEXTS, SYSTEM, ActorBase
+from _soak_probes import probes
+from _soak_tally import LOAD_CODES, Owned, Tally, Topology
 
-from protocol import Client, Reply, SkiffError, frames
-
-# Codes any load action may meet on a busy cluster without anything being wrong.
-LOAD_CODES = frozenset({"lanes_busy", "queue_full"})
-UNEXPECTED_KEPT = 200  # first N unexpected errors kept verbatim in the summary
-
-SYSTEM = (
-    "You are a careful assistant for a small shipping company. Answer in plain "
-    "English, in at most three sentences, and never invent tracking numbers. "
-    "The company ships parcels, pallets and letters across the coast, runs two "
-    "warehouses and closes on public holidays. Customers often ask about delays, "
-    "lost parcels, prices, customs forms and opening hours. "
-)
-QUESTIONS = (
-    "Where is my parcel?",
-    "How much does a pallet to the north coast cost?",
-    "Are you open on Monday?",
-    "What forms do I need for customs?",
-    "My letter arrived wet. What can I do?",
-    "Can I change the delivery address after shipping?",
-    "Tell me a short story about a lighthouse.",
-    "List three colours of the sea at dusk.",
-)
-SPEECH_TEXTS = (
-    "Your parcel is on its way.",
-    "The warehouse opens at eight.",
-    "Thank you for calling.",
-)
-
-
-@dataclass
-class Topology:
-    """What the load talks to, learned from the gateway (``gateway_status``, ``info``)."""
-
-    gateway: str
-    workers: list[str]
-    speech: list[str]
-    n_vocab: int
-    n_embd: int
-    n_ctx_per_lane: int
-    max_request_bytes: int
-
-
-@dataclass
-class Tally:
-    """Everything the actors saw, shared by all of them (one lock)."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    actions: Counter[str] = field(default_factory=Counter)  # finished actions
-    failed_actions: Counter[str] = field(default_factory=Counter)
-    tokens: int = 0  # generated tokens received (streamed or in results)
-    errors: Counter[str] = field(default_factory=Counter)  # every error reply, by code
-    expected: Counter[str] = field(default_factory=Counter)
-    unexpected: Counter[str] = field(default_factory=Counter)
-    unexpected_samples: list[dict[str, Any]] = field(default_factory=list)
-    checks_failed: Counter[str] = field(default_factory=Counter)  # replies of the wrong shape
-
-    def add_tokens(self, n: int) -> None:
-        with self.lock:
-            self.tokens += n
-
-    def error(self, action: str, code: str, message: str, expected: bool) -> None:
-        with self.lock:
-            self.errors[code] += 1
-            if expected:
-                self.expected[code] += 1
-                return
-            self.unexpected[code] += 1
-            if len(self.unexpected_samples) < UNEXPECTED_KEPT:
-                self.unexpected_samples.append(
-                    {"t": round(time.time(), 3), "action": action, "code": code, "message": message}
-                )
-
-    def check(self, action: str, ok: bool, what: str) -> None:
-        """A reply that came back ``ok`` but not as the protocol says: unexpected."""
-        if not ok:
-            with self.lock:
-                self.checks_failed[f"{action}: {what}"] += 1
-            self.error(action, "check_failed", what, expected=False)
-
-    def done(self, action: str, ok: bool) -> None:
-        with self.lock:
-            self.actions[action] += 1
-            if not ok:
-                self.failed_actions[action] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        with self.lock:
-            return {
-                "actions": dict(self.actions),
-                "failed_actions": dict(self.failed_actions),
-                "tokens": self.tokens,
-                "errors_by_code": dict(self.errors),
-                "expected_by_code": dict(self.expected),
-                "unexpected_by_code": dict(self.unexpected),
-                "unexpected_samples": list(self.unexpected_samples),
-                "checks_failed": dict(self.checks_failed),
-            }
-
-
-class Owned:
-    """Named sessions the soak created and has not dropped yet, with where
-    they live (the gateway, or a worker's endpoint for direct ones)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sessions: dict[str, str] = {}
-
-    def add(self, session: str, where: str) -> None:
-        with self._lock:
-            self._sessions[session] = where
-
-    def discard(self, session: str) -> None:
-        with self._lock:
-            self._sessions.pop(session, None)
-
-    def items(self) -> list[tuple[str, str]]:
-        with self._lock:
-            return list(self._sessions.items())
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._sessions)
-
-
-class Expect(Exception):
-    """Raised inside an action to say the error it ended on was expected."""
-
+from protocol import Client, SkiffError, frames
 
 WEIGHTS: dict[str, int] = {
     "generate": 24,
@@ -178,11 +54,9 @@ WEIGHTS: dict[str, int] = {
     "speech": 6,
 }
 
-_session_ids = itertools.count(1)
 
-
-class Actor:
-    """One load thread: its own gateway connection and direct worker connections."""
+class Actor(ActorBase):
+    """The mix: every action once, then actions drawn by weight until told to stop."""
 
     def __init__(
         self,
@@ -195,17 +69,7 @@ class Actor:
         timeout_ms: int = 60_000,
         actors: int = 1,
     ) -> None:
-        self.index = index
-        self.actors = actors  # how many run side by side (for the opening, see run)
-        self.topo = topo
-        self.tally = tally
-        self.owned = owned
-        self.stop = stop
-        self.rng = random.Random(seed)
-        self.timeout_ms = timeout_ms
-        self.gw = Client(topo.gateway, timeout_ms=timeout_ms)
-        self.direct = {ep: Client(ep, timeout_ms=timeout_ms) for ep in topo.workers}
-        self.continuations: dict[str, list[int]] = {}  # prompt -> greedy tokens seen
+        super().__init__(index, topo, tally, owned, stop, seed, timeout_ms, actors)
         names = [a for a in WEIGHTS if a != "speech" or topo.speech]
         if len(topo.workers) < 2:
             names.remove("migrate")
@@ -261,55 +125,6 @@ class Actor:
             ok = False
             self.tally.error(name, "client_exception", repr(exc), expected=False)
         self.tally.done(name, ok)
-
-    def close(self) -> None:
-        self.gw.close()
-        for c in self.direct.values():
-            c.close()
-
-    def _reconnect(self) -> None:
-        self.close()
-        self.gw = Client(self.topo.gateway, timeout_ms=self.timeout_ms)
-        self.direct = {ep: Client(ep, timeout_ms=self.timeout_ms) for ep in self.topo.workers}
-
-    # -- helpers --------------------------------------------------------------
-
-    def _session(self) -> str:
-        return f"soak-{self.index}-{next(_session_ids)}"
-
-    def _prompt(self) -> str:
-        q = self.rng.choice(QUESTIONS)
-        # Half the prompts share a long system prefix: prefix cache and
-        # cache-aware routing see hits; the other half are short and cold.
-        return SYSTEM + q if self.rng.random() < 0.5 else q
-
-    def _sampling(self) -> dict[str, Any] | None:
-        r = self.rng.random()
-        if r < 0.5:
-            return None  # greedy
-        if r < 0.8:
-            return {"temperature": 0.8, "top_p": 0.95, "seed": self.rng.randrange(1 << 31)}
-        return {"temperature": 0.7, "repeat_penalty": 1.1, "top_k": 20}
-
-    def _drop(self, client: Client, session: str) -> None:
-        """Drop a session we made; unknown to the worker (never admitted) is fine."""
-        try:
-            client.drop(session)
-        except SkiffError as exc:
-            if exc.code != "session_not_active":
-                raise
-            self.tally.error("drop", exc.code, exc.message, expected=True)
-        self.owned.discard(session)
-
-    def _stream(self, client: Client, req_id: int, limit: int | None = None) -> Iterator[Reply]:
-        """Events of ``req_id`` until done (or ``limit`` token events)."""
-        seen = 0
-        for reply in client.follow(req_id):
-            yield reply
-            if "event" in reply.header and reply.header.get("event") == "token":
-                seen += 1
-                if limit is not None and seen >= limit:
-                    return
 
     # -- actions --------------------------------------------------------------
 
@@ -515,7 +330,7 @@ class Actor:
     def bad_input(self) -> None:
         """One malformed or refused request on a fresh socket; the reply's
         code must be the one the probe provokes."""
-        name, frames_out, want = self.rng.choice(self._probes())
+        name, frames_out, want = self.rng.choice(probes(self.topo, self.rng))
         targets = [self.topo.gateway] * 3 + self.topo.workers + self.topo.speech[:1]
         endpoint = self.rng.choice(targets)
         if endpoint in self.topo.speech and not name.startswith(("raw", "envelope")):
@@ -532,92 +347,6 @@ class Actor:
             self.tally.error(
                 "bad_input", code, f"probe {name} at {endpoint}: wanted {want}", expected=False
             )
-
-    def _probes(self) -> list[tuple[str, list[Any], str]]:
-        t = self.topo
-
-        def req(header: dict[str, Any], *buffers: bytes) -> list[Any]:
-            return [msgpack.packb(header, use_bin_type=True), *buffers]
-
-        def op(name: str, session: str | None = None, **args: Any) -> dict[str, Any]:
-            h: dict[str, Any] = {"v": 1, "id": 7, "op": name, "args": args}
-            if session is not None:
-                h["session"] = session
-            return h
-
-        nested: Any = 1
-        for _ in range(40):
-            nested = [nested]
-        bad_frame = {  # a 1x4 f32 part whose nbytes lies
-            "version": 1,
-            "producer_stage": 0,
-            "layer_start": 0,
-            "layer_end": 1,
-            "token_count": 1,
-            "sequence_count": 1,
-            "parts": [
-                {
-                    "identity": "hidden",
-                    "dtype": "f32",
-                    "dims": [1, 4],
-                    "byte_strides": [16, 4],
-                    "token_axis": 0,
-                    "buffer": 0,
-                    "offset": 0,
-                    "nbytes": 999,
-                }
-            ],
-        }
-        probes: list[tuple[str, list[Any], str]] = [
-            ("raw not msgpack", [b"\xc1\xc1 not msgpack"], "bad_request"),
-            ("raw not a map", req([1, 2, 3]), "bad_request"),  # type: ignore[arg-type]
-            ("envelope no v", req({"id": 1, "op": "ping"}), "unsupported_version"),
-            ("envelope v=2", req({"v": 2, "id": 1, "op": "ping"}), "unsupported_version"),
-            ("envelope id str", req({"v": 1, "id": "x", "op": "ping"}), "bad_request"),
-            (
-                "envelope args list",
-                req({"v": 1, "id": 1, "op": "stats", "args": []}),
-                "bad_request",
-            ),
-            (
-                "envelope deep",
-                req({"v": 1, "id": 1, "op": "ping", "args": {"x": nested}}),
-                "bad_request",
-            ),
-            ("unknown op", req(op("frobnicate")), "unknown_op"),
-            ("long session", req(op("drop", "s" * 300)), "bad_request"),
-            (
-                "bad sampling",
-                req(op("generate", prompt="hi", sampling={"top_q": 1})),
-                "bad_request",
-            ),
-            (
-                "token range",
-                req(op("generate", tokens=[t.n_vocab + 5], max_tokens=2)),
-                "bad_request",
-            ),
-            (
-                "context overflow",
-                req(op("generate", tokens=[100] * (t.n_ctx_per_lane + 16), max_tokens=2)),
-                "context_overflow",
-            ),
-            (
-                "export unknown session",  # (a decode would admit it: a new session)
-                req(op("export_state", "soak-ghost")),
-                "session_not_active",
-            ),
-            ("verify empty", req(op("verify", "soak-ghost-v", tokens=[])), "bad_request"),
-            ("bad frame", req(op("echo", frame=bad_frame), b"\0" * 16), "bad_request"),
-        ]
-        if self.rng.random() < 0.1:  # a few MiB each: now and then, not every time
-            big = {
-                "v": 1,
-                "id": 1,
-                "op": "tokenize",
-                "args": {"text": "x" * (t.max_request_bytes + 1024)},
-            }
-            probes.append(("oversized header", req(big), "payload_too_large"))
-        return probes
 
     def speech(self) -> None:
         """A short synthesis through the gateway; now and then a streamed one cancelled."""
