@@ -39,13 +39,13 @@ EXPECTED_CODES = {
 }
 
 
-def _soak_module() -> ModuleType:
-    """scripts/soak.py as a module, for its pure figure functions."""
-    sys.path.insert(0, str(ROOT / "scripts"))  # soak imports cluster and soak_mix beside it
-    spec = importlib.util.spec_from_file_location("skiff_soak", ROOT / "scripts" / "soak.py")
+def _figures_module() -> ModuleType:
+    """scripts/_soak_figures.py as a module: the soak's pure figure functions."""
+    path = ROOT / "scripts" / "_soak_figures.py"
+    spec = importlib.util.spec_from_file_location("skiff_soak_figures", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -106,18 +106,18 @@ def test_one_minute_soak_leaves_no_stuck_lanes_and_no_unexpected_errors(tmp_path
 
 
 def test_warmup_windows_and_growth() -> None:
-    soak = _soak_module()
+    figures = _figures_module()
     # Warm-up max(1 min, 20 %), at most half the run; windows 10 % (>= 3 samples).
-    assert soak.windows(600.0, 5.0) == (120.0, 60.0)
-    assert soak.windows(60.0, 2.0) == (30.0, 6.0)
-    assert soak.windows(1800.0, 5.0) == (360.0, 180.0)
+    assert figures.windows(600.0, 5.0) == (120.0, 60.0)
+    assert figures.windows(60.0, 2.0) == (30.0, 6.0)
+    assert figures.windows(1800.0, 5.0) == (360.0, 180.0)
     flat = [(float(t), 100.0) for t in range(0, 600, 5)]
-    assert soak.growth(flat, 600.0, 120.0, 60.0)["growth_pct"] == 0.0
+    assert figures.growth(flat, 600.0, 120.0, 60.0)["growth_pct"] == 0.0
     # Fast growth in warm-up does not count; a slow climb after it does.
     climb = [(float(t), 50.0 + t if t < 120 else 170.0 + (t - 120) / 20) for t in range(0, 600, 5)]
-    g = soak.growth(climb, 600.0, 120.0, 60.0)
+    g = figures.growth(climb, 600.0, 120.0, 60.0)
     assert g is not None and 12.0 < g["growth_pct"] < 14.5  # (192.4 - 171.4) / 171.4
-    assert soak.growth([], 600.0, 120.0, 60.0) is None
+    assert figures.growth([], 600.0, 120.0, 60.0) is None
 
 
 def test_process_section_counts_objects_and_reuses_the_count() -> None:
