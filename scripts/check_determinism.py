@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_stages import start  # noqa: E402  (a worker process on an ipc socket)
+from _bench_stages_measure import start  # noqa: E402  (a worker process on an ipc socket)
 
 from protocol import Client  # noqa: E402
 
