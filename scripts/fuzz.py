@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from _fuzz_conn import Conn, Died, Tally, short  # noqa: E402
-from _fuzz_ops import Target  # noqa: E402
+from _fuzz_draws import Target  # noqa: E402
 from _fuzz_procs import Proc, spawn  # noqa: E402
 from fuzzcases import Case, Generator  # noqa: E402
 

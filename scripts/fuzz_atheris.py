@@ -280,7 +280,7 @@ class Harness:
 
 def seed_corpus(directory: Path, count: int = 300) -> None:
     """Starting inputs: raw-mode copies of what ``scripts/fuzz.py`` sends."""
-    from _fuzz_ops import Target
+    from _fuzz_draws import Target
     from fuzzcases import Generator
 
     directory.mkdir(parents=True, exist_ok=True)

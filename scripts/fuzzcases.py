@@ -24,10 +24,13 @@ What it makes, per message (weights in ``Generator.KINDS``):
 
 Ids are unique per run (mutated ids are unique too), so replies match by id.
 
-The case families are built in layers, each a module beside this one:
-``_fuzz_values.py`` (hostile values, mutations), ``_fuzz_frames.py``
-(tensor frames and their corruptions) and ``_fuzz_ops.py`` (plausible
-arguments per op, and ``Target``); ``Generator`` here turns them into cases.
+The pieces are plain functions in modules beside this one, each taking the
+run's random generator (and the run's ids or ``Run`` where they need them):
+``_fuzz_values.py`` (hostile values, mutations, ``Ids``), ``_fuzz_frames.py``
+(tensor frames and their corruptions), ``_fuzz_draws.py`` (``Target``,
+``Run`` and the draws several ops share) and ``_fuzz_ops.py`` (plausible
+arguments per op). ``Generator`` here owns the generator, the ids and the
+``Run``, and turns what they make into cases.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-from _fuzz_ops import Ops, Target
+from _fuzz_draws import Run, Target
+from _fuzz_frames import frame, mutate_buffers, mutate_frame_in
+from _fuzz_ops import MAKERS, Made, args_forward_frame
+from _fuzz_values import Ids, deepen, hostile_map, key, mutate, random_bytes, value
 
 from protocol import transport
 
@@ -82,22 +88,26 @@ def pack(obj: Any, single_float: bool = False) -> bytes:
     return packed
 
 
-class Generator(Ops):
+class Generator:
     """Deterministic cases for one target: ``case(i)`` for i = 0, 1, 2, ..."""
 
     KINDS = {"args": 58, "frame": 14, "envelope": 10, "bytes": 5, "value": 5, "deep": 4, "dup": 3}
 
     def __init__(self, target: Target, seed: int, batch: int = 100) -> None:
-        super().__init__(target, random.Random(f"{seed}:{target.name}"))
+        self.t = target
+        self.rng = random.Random(f"{seed}:{target.name}")
         self.batch = batch  # the runner drops every session between batches
+        self.ids = Ids()
+        sessions = ("fz-a", "fz-b") if target.name != "stage1" else ("fz1-a", "fz1-b")
+        self.run = Run(target, self.rng, self.ids, sessions)
         ops = set(target.ops)
         self.frame_ops = [
             op for op in ("echo", "prefill", "import_state", "forward_frame") if op in ops
         ]
         if target.name == "speech":
             self.frame_ops = []
-        self.arg_makers: dict[str, Callable[[], tuple[str | None, dict[str, Any], list[bytes]]]] = {
-            op: getattr(self, f"args_{op}") for op in target.ops if hasattr(self, f"args_{op}")
+        self.arg_makers: dict[str, Callable[[Run], Made]] = {
+            op: MAKERS[op] for op in target.ops if op in MAKERS
         }
 
     # -- cases --------------------------------------------------------------
@@ -105,7 +115,7 @@ class Generator(Ops):
     def case(self, index: int) -> Case:
         rng = self.rng
         if index % self.batch == 0:
-            self.positions.clear()
+            self.run.positions.clear()
         if index % 2000 == 1999:  # a rare, costly one: a header over the size cap
             return self._single("big", "-", self._big())
         known = [r for r in REGRESSIONS if r[0] in self.arg_makers]
@@ -120,35 +130,35 @@ class Generator(Ops):
             return inner
         op = rng.choice(list(self.arg_makers))
         if kind == "bytes":
-            return self._single(kind, "-", [self.random_bytes()])
+            return self._single(kind, "-", [random_bytes(rng)])
         if kind == "value":
-            value = self.value(4) if rng.random() < 0.3 else self.hostile_map()
-            return self._single(kind, "-", [pack(value)])
-        positions = dict(self.positions)  # a forward that is mutated does not move them
+            made = value(rng, 4) if rng.random() < 0.3 else hostile_map(rng, self.ids)
+            return self._single(kind, "-", [pack(made)])
+        positions = dict(self.run.positions)  # a forward that is mutated does not move them
         if kind == "frame" and self.frame_ops:
             op = rng.choice(self.frame_ops)
-            session, args, buffers = self.arg_makers[op]()
-            self.positions = positions
-            return self._request(kind, op, session, args, self.mutate_buffers(buffers), frame=True)
-        session, args, buffers = self.arg_makers[op]()
+            session, args, buffers = self.arg_makers[op](self.run)
+            self.run.positions = positions
+            return self._request(kind, op, session, args, mutate_buffers(rng, buffers), frame=True)
+        session, args, buffers = self.arg_makers[op](self.run)
         if kind == "envelope":
-            self.positions = positions
+            self.run.positions = positions
             return self._request(kind, op, session, args, buffers, envelope=True)
         if kind == "deep":
-            self.positions = positions
-            return self._request(kind, op, session, self.deepen(args), buffers)
+            self.run.positions = positions
+            return self._request(kind, op, session, deepen(rng, args), buffers)
         if rng.random() < 0.7:
-            self.positions = positions
-            args = self.mutate(args, rng.choice((1, 1, 1, 2, 3)))
+            self.run.positions = positions
+            args = mutate(rng, self.ids, args, rng.choice((1, 1, 1, 2, 3)))
         return self._request("args", op, session, args, buffers)
 
     def _regression(self, op: str, args: dict[str, Any]) -> Case:
         session: str | None = None
         buffers: list[bytes] = []
         if op == "echo":  # bf16: its reply could not be rendered
-            args["frame"], buffers = self.frame("hidden", [2, 3], "bf16")
+            args["frame"], buffers = frame(self.rng, "hidden", [2, 3], "bf16")
         elif op == "forward_frame":  # outputs without sampling: every turn crashed
-            session, args, buffers = self.args_forward_frame()
+            session, args, buffers = args_forward_frame(self.run)
             for step in args["steps"]:
                 step.update(sample=False, output=["logits"], all_rows=False, capture_all=False)
                 step.pop("rule", None)
@@ -170,7 +180,7 @@ class Generator(Ops):
         frame: bool = False,
     ) -> Case:
         rng = self.rng
-        rid = self.fresh_id()
+        rid = self.ids.fresh()
         header: dict[Any, Any] = {"v": 1, "id": rid, "op": op}
         if session is not None:
             header["session"] = session
@@ -179,7 +189,7 @@ class Generator(Ops):
         if rng.random() < 0.15:  # a deadline: most cases pass, some expire, some are refused
             header["deadline_ms"] = rng.choice((1, 5, 50, 2000, 5000))
         if frame:
-            self.mutate_frame_in(args)
+            mutate_frame_in(rng, args)
         if envelope:
             self.mutate_envelope(header)
         raw = pack(header, single_float=rng.random() < 0.1)
@@ -187,28 +197,28 @@ class Generator(Ops):
 
     def mutate_envelope(self, header: dict[Any, Any]) -> None:
         rng = self.rng
-        key = rng.choice(("v", "v", "id", "id", "op", "session", "args", "deadline_ms", "extra"))
+        slot = rng.choice(("v", "v", "id", "id", "op", "session", "args", "deadline_ms", "extra"))
         roll = rng.random()
-        if roll < 0.25 and key in header:
-            del header[key]
-        elif key == "id" and roll < 0.55:  # another int: negative or past int64, still unique
-            n = self.fresh_id()
+        if roll < 0.25 and slot in header:
+            del header[slot]
+        elif slot == "id" and roll < 0.55:  # another int: negative or past int64, still unique
+            n = self.ids.fresh()
             header["id"] = rng.choice((-n, 2**63 + n, 2**64 - n, 0 if n == 1 else -n))
-        elif key == "op" and roll < 0.6:
+        elif slot == "op" and roll < 0.6:
             header["op"] = rng.choice(("", "PING", "ping\x00", "x" * 65, "x" * 64, "synthesize"))
-        elif key == "session" and roll < 0.6:
+        elif slot == "session" and roll < 0.6:
             header["session"] = rng.choice(("", "s" * 256, "s" * 257, "~gen-1", "\x00", "é" * 200))
-        elif key == "v" and roll < 0.6:
+        elif slot == "v" and roll < 0.6:
             header["v"] = rng.choice((1.0, True, "1", 2, 0, -1, 2**64 - 1, [1], None))
-        elif key == "extra":
-            header[self.key()] = self.value(2)
+        elif slot == "extra":
+            header[key(rng)] = value(rng, 2)
         else:
-            header[key] = self.value(2)
+            header[slot] = value(rng, 2)
 
     def _big(self) -> list[bytes]:
         """A header just past the size cap (``payload_too_large``, id null)."""
         size = self.t.max_header_bytes + self.rng.choice((1, 4096))
-        return [pack({"v": 1, "id": self.fresh_id(), "op": "ping", "args": {"pad": b"x" * size}})]
+        return [pack({"v": 1, "id": self.ids.fresh(), "op": "ping", "args": {"pad": b"x" * size}})]
 
 
 # Requests that once took a worker down or stalled it; ``case`` sends one of

@@ -33,7 +33,7 @@ from worker.api import validate
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _fuzz_ops import SAMPLING, Target  # noqa: E402
+from _fuzz_draws import SAMPLING, Target  # noqa: E402
 from _fuzz_values import ARG_NAMES  # noqa: E402
 from fuzz_atheris import Harness  # noqa: E402
 from fuzzcases import Generator  # noqa: E402
