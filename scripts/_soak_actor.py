@@ -1,18 +1,19 @@
 """What every action of ``scripts/soak_mix.py`` stands on: an actor's sockets and draws.
 
-Why a module of its own: ``ActorBase`` is the plumbing under the mix (the
-actor's gateway connection and a direct one per worker, rebuilt after a
-client timeout so late replies cannot pile up; its random source; session
-names, prompts and sampling drawn from it; dropping a session it made;
-following a stream), so ``soak_mix.Actor`` holds only the loop and the
-actions.
+Why a module of its own: this is the plumbing under the mix, apart from the
+loop and the actions. ``Sockets`` is an actor's gateway connection and a
+direct one per worker (rebuilt after a client timeout so late replies cannot
+pile up, plus fresh ones for a client that goes away or a probe); ``Draws``
+is its seeded random source and what it draws from it (prompts, sampling)
+besides its session names; ``drop`` and ``stream`` drop a session the load
+made and follow a stream. ``soak_mix.Actor`` holds one ``Sockets`` and one
+``Draws`` and calls these.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,52 +48,47 @@ SPEECH_TEXTS = (
 _session_ids = itertools.count(1)
 
 
-class ActorBase:
-    """One load thread's connections, random draws and session bookkeeping."""
+class Sockets:
+    """One actor's connections: the gateway, and each worker directly."""
 
-    def __init__(
-        self,
-        index: int,
-        topo: Topology,
-        tally: Tally,
-        owned: Owned,
-        stop: threading.Event,
-        seed: int,
-        timeout_ms: int = 60_000,
-        actors: int = 1,
-    ) -> None:
-        self.index = index
-        self.actors = actors  # how many run side by side (for the opening: soak_mix)
+    def __init__(self, topo: Topology, timeout_ms: int) -> None:
         self.topo = topo
-        self.tally = tally
-        self.owned = owned
-        self.stop = stop
-        self.rng = random.Random(seed)
         self.timeout_ms = timeout_ms
         self.gw = Client(topo.gateway, timeout_ms=timeout_ms)
         self.direct = {ep: Client(ep, timeout_ms=timeout_ms) for ep in topo.workers}
-        self.continuations: dict[str, list[int]] = {}  # prompt -> greedy tokens seen
+
+    def fresh(self, endpoint: str) -> Client:
+        """A socket of its own to ``endpoint`` (the caller closes it)."""
+        return Client(endpoint, timeout_ms=self.timeout_ms)
 
     def close(self) -> None:
         self.gw.close()
         for c in self.direct.values():
             c.close()
 
-    def _reconnect(self) -> None:
+    def reconnect(self) -> None:
         self.close()
         self.gw = Client(self.topo.gateway, timeout_ms=self.timeout_ms)
         self.direct = {ep: Client(ep, timeout_ms=self.timeout_ms) for ep in self.topo.workers}
 
-    def _session(self) -> str:
+
+class Draws:
+    """One actor's random source (one seed: the same draws every run) and session names."""
+
+    def __init__(self, index: int, seed: int) -> None:
+        self.index = index
+        self.rng = random.Random(seed)
+
+    def session(self) -> str:
         return f"soak-{self.index}-{next(_session_ids)}"
 
-    def _prompt(self) -> str:
+    def prompt(self) -> str:
         q = self.rng.choice(QUESTIONS)
         # Half the prompts share a long system prefix: prefix cache and
         # cache-aware routing see hits; the other half are short and cold.
         return SYSTEM + q if self.rng.random() < 0.5 else q
 
-    def _sampling(self) -> dict[str, Any] | None:
+    def sampling(self) -> dict[str, Any] | None:
         r = self.rng.random()
         if r < 0.5:
             return None  # greedy
@@ -100,22 +96,24 @@ class ActorBase:
             return {"temperature": 0.8, "top_p": 0.95, "seed": self.rng.randrange(1 << 31)}
         return {"temperature": 0.7, "repeat_penalty": 1.1, "top_k": 20}
 
-    def _drop(self, client: Client, session: str) -> None:
-        """Drop a session we made; unknown to the worker (never admitted) is fine."""
-        try:
-            client.drop(session)
-        except SkiffError as exc:
-            if exc.code != "session_not_active":
-                raise
-            self.tally.error("drop", exc.code, exc.message, expected=True)
-        self.owned.discard(session)
 
-    def _stream(self, client: Client, req_id: int, limit: int | None = None) -> Iterator[Reply]:
-        """Events of ``req_id`` until done (or ``limit`` token events)."""
-        seen = 0
-        for reply in client.follow(req_id):
-            yield reply
-            if "event" in reply.header and reply.header.get("event") == "token":
-                seen += 1
-                if limit is not None and seen >= limit:
-                    return
+def drop(client: Client, session: str, tally: Tally, owned: Owned) -> None:
+    """Drop a session the load made; unknown to the worker (never admitted) is fine."""
+    try:
+        client.drop(session)
+    except SkiffError as exc:
+        if exc.code != "session_not_active":
+            raise
+        tally.error("drop", exc.code, exc.message, expected=True)
+    owned.discard(session)
+
+
+def stream(client: Client, req_id: int, limit: int | None = None) -> Iterator[Reply]:
+    """Events of ``req_id`` until done (or ``limit`` token events)."""
+    seen = 0
+    for reply in client.follow(req_id):
+        yield reply
+        if "event" in reply.header and reply.header.get("event") == "token":
+            seen += 1
+            if limit is not None and seen >= limit:
+                return

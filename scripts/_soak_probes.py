@@ -3,9 +3,9 @@
 Why a module of its own: each probe is raw frames and the error code it must
 be answered with (a header that is not msgpack, a wrong version, nesting
 past the cap, an unknown op, arguments a validator refuses, a frame whose
-sizes lie, a prompt past a lane, now and then a header past the size cap);
-the ``bad_input`` action sends one and checks the code. The list is data,
-not load logic.
+sizes lie, a prompt past a lane, now and then a header past the size cap).
+``send_probe`` is the ``bad_input`` action: one probe, drawn from the actor's
+random source, sent on a fresh socket, and its reply's code checked.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import random
 from typing import Any
 
 import msgpack
-from _soak_tally import Topology
+from _soak_actor import Sockets
+from _soak_tally import Tally, Topology
 
 
 def probes(topo: Topology, rng: random.Random) -> list[tuple[str, list[Any], str]]:
@@ -102,3 +103,23 @@ def probes(topo: Topology, rng: random.Random) -> list[tuple[str, list[Any], str
         }
         out.append(("oversized header", req(big), "payload_too_large"))
     return out
+
+
+def send_probe(rng: random.Random, topo: Topology, sockets: Sockets, tally: Tally) -> None:
+    """One malformed or refused request on a fresh socket; the reply's
+    code must be the one the probe provokes."""
+    name, frames_out, want = rng.choice(probes(topo, rng))
+    targets = [topo.gateway] * 3 + topo.workers + topo.speech[:1]
+    endpoint = rng.choice(targets)
+    if endpoint in topo.speech and not name.startswith(("raw", "envelope")):
+        endpoint = topo.gateway  # op probes are LLM probes
+    with sockets.fresh(endpoint) as c:
+        c.send_raw(frames_out)
+        reply = c.recv_any()
+    code = str((reply.header.get("error") or {}).get("code", "ok"))
+    # A prompt past a lane is refused as too long either way: by the
+    # per-request token limit (limit_exceeded) or by the lane (context_overflow).
+    if code == want or (want == "context_overflow" and code == "limit_exceeded"):
+        tally.error("bad_input", code, name, expected=True)
+    else:
+        tally.error("bad_input", code, f"probe {name} at {endpoint}: wanted {want}", expected=False)

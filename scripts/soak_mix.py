@@ -22,10 +22,11 @@ probe's own code, ``cancelled`` after a ``cancel``, ``lanes_busy`` /
 fails the soak (``internal``, ``worker_unavailable``, a client ``timeout``,
 a probe answered with another code than the one it provokes).
 
-Beside it: ``_soak_actor.py`` (an actor's sockets and random draws, under
-``Actor``), ``_soak_probes.py`` (the bad-input probes) and ``_soak_tally.py``
-(what the actors and ``scripts/soak.py`` share: ``Topology``, ``Tally``,
-``Owned``).
+Beside it: ``_soak_actor.py`` (an actor's ``Sockets`` and ``Draws``, which
+``Actor`` holds, and dropping a session or following a stream),
+``_soak_probes.py`` (the bad-input probes and the action that sends one) and
+``_soak_tally.py`` (what the actors and ``scripts/soak.py`` share:
+``Topology``, ``Tally``, ``Owned``).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _soak_actor import QUESTIONS, SPEECH_TEXTS, SYSTEM, ActorBase
-from _soak_probes import probes
+from _soak_actor import QUESTIONS, SPEECH_TEXTS, SYSTEM, Draws, Sockets, drop, stream
+from _soak_probes import send_probe
 from _soak_tally import LOAD_CODES, Owned, Tally, Topology
 
-from protocol import Client, SkiffError, frames
+from protocol import SkiffError, frames
 
 WEIGHTS: dict[str, int] = {
     "generate": 24,
@@ -55,8 +56,9 @@ WEIGHTS: dict[str, int] = {
 }
 
 
-class Actor(ActorBase):
-    """The mix: every action once, then actions drawn by weight until told to stop."""
+class Actor:
+    """One load thread, the mix: every action once, then actions drawn by weight until
+    told to stop. Its sockets and its random draws are the ``Sockets`` and ``Draws`` it holds."""
 
     def __init__(
         self,
@@ -69,7 +71,16 @@ class Actor(ActorBase):
         timeout_ms: int = 60_000,
         actors: int = 1,
     ) -> None:
-        super().__init__(index, topo, tally, owned, stop, seed, timeout_ms, actors)
+        self.index = index
+        self.actors = actors  # how many run side by side (for the opening, see run)
+        self.topo = topo
+        self.tally = tally
+        self.owned = owned
+        self.stop = stop
+        self.draws = Draws(index, seed)
+        self.rng = self.draws.rng
+        self.sockets = Sockets(topo, timeout_ms)
+        self.continuations: dict[str, list[int]] = {}  # prompt -> greedy tokens seen
         names = [a for a in WEIGHTS if a != "speech" or topo.speech]
         if len(topo.workers) < 2:
             names.remove("migrate")
@@ -107,7 +118,7 @@ class Actor(ActorBase):
                 name = self.rng.choices(self.names, self.weights)[0]
                 self.run_action(name)
         finally:
-            self.close()
+            self.sockets.close()
 
     def run_action(self, name: str) -> None:
         ok = True
@@ -117,7 +128,7 @@ class Actor(ActorBase):
             ok = exc.code in LOAD_CODES
             self.tally.error(name, exc.code, exc.message, expected=ok)
             if exc.code == "timeout":
-                self._reconnect()  # late replies must not pile up in a stash
+                self.sockets.reconnect()  # late replies must not pile up in a stash
                 time.sleep(0.5)
             elif exc.code == "queue_full":
                 time.sleep((exc.retry_after_ms or 200) / 1000)
@@ -130,17 +141,20 @@ class Actor(ActorBase):
 
     def generate(self) -> None:
         """A streamed generation through the gateway, ephemeral or on a session."""
-        args: dict[str, Any] = {"prompt": self._prompt(), "max_tokens": self.rng.randint(8, 40)}
-        sampling = self._sampling()
+        args: dict[str, Any] = {
+            "prompt": self.draws.prompt(),
+            "max_tokens": self.rng.randint(8, 40),
+        }
+        sampling = self.draws.sampling()
         if sampling is not None:
             args["sampling"] = sampling
-        session = self._session() if self.rng.random() < 0.3 else None
+        session = self.draws.session() if self.rng.random() < 0.3 else None
         if session is not None:
             self.owned.add(session, "gateway")
         try:
             tokens: list[int] = []
             final: dict[str, Any] = {}
-            for reply in self.gw.generate(args, session=session):
+            for reply in self.sockets.gw.generate(args, session=session):
                 if reply.header.get("event") == "token":
                     tokens.append(int(reply.header["token"]))
                 elif reply.done:
@@ -156,7 +170,7 @@ class Actor(ActorBase):
                 self.continuations[args["prompt"]] = tokens
         finally:
             if session is not None:
-                self._drop(self.gw, session)
+                drop(self.sockets.gw, session, self.tally, self.owned)
 
     def chat(self) -> None:
         """Two turns of a named chat then drop, or a one-shot streamed chat."""
@@ -164,32 +178,34 @@ class Actor(ActorBase):
         if self.rng.random() < 0.3:
             args = {"messages": first, "max_tokens": 16, "stream": True}
             n = sum(
-                1 for r in self.gw.stream("chat", None, args) if r.header.get("event") == "token"
+                1
+                for r in self.sockets.gw.stream("chat", None, args)
+                if r.header.get("event") == "token"
             )
             self.tally.add_tokens(n)
             return
-        session = self._session()
+        session = self.draws.session()
         self.owned.add(session, "gateway")
         try:
             for messages in (first, [{"role": "user", "content": self.rng.choice(QUESTIONS)}]):
-                result = self.gw.chat(messages, session=session, max_tokens=16)
+                result = self.sockets.gw.chat(messages, session=session, max_tokens=16)
                 self.tally.add_tokens(int(result.get("usage", {}).get("completion_tokens", 0)))
                 self.tally.check("chat", isinstance(result.get("text"), str), "chat result text")
         finally:
-            self._drop(self.gw, session)
+            drop(self.sockets.gw, session, self.tally, self.owned)
 
     def verify(self) -> None:
         """``prefill_sampled`` then ``verify`` of a draft (a greedy
         continuation seen earlier, so some drafts are accepted), then drop."""
-        prompt = self._prompt()
-        session = self._session()
+        prompt = self.draws.prompt()
+        session = self.draws.session()
         self.owned.add(session, "gateway")
         try:
-            tokens = self.gw.tokenize(prompt)
-            t0 = int(self.gw.prefill_sampled(session, tokens)["token"])
+            tokens = self.sockets.gw.tokenize(prompt)
+            t0 = int(self.sockets.gw.prefill_sampled(session, tokens)["token"])
             seen = self.continuations.get(prompt)
             drafts = seen[1:9] if seen and seen[0] == t0 else [self.rng.randrange(1000, 5000)] * 4
-            result = self.gw.call("verify", session, {"tokens": [t0, *drafts]}).result
+            result = self.sockets.gw.call("verify", session, {"tokens": [t0, *drafts]}).result
             accepted = int(result["accepted"])
             self.tally.check(
                 "verify",
@@ -197,7 +213,7 @@ class Actor(ActorBase):
                 "verify accepted/predicted",
             )
         finally:
-            self._drop(self.gw, session)
+            drop(self.sockets.gw, session, self.tally, self.owned)
 
     def frames(self) -> None:
         """Tensor outputs: hidden rows of a prefill, logits of a decode, an
@@ -205,50 +221,50 @@ class Actor(ActorBase):
         kind = self.rng.choice(("prefill_decode", "embed", "generate", "echo"))
         t = self.topo
         if kind == "embed":
-            reply = self.gw.embed(text=self.rng.choice(QUESTIONS), pooling="mean")
+            reply = self.sockets.gw.embed(text=self.rng.choice(QUESTIONS), pooling="mean")
             shape = list(reply.frame.array("embedding").shape)
             self.tally.check("frames", shape == [t.n_embd], "embed shape")
         elif kind == "echo":
             data = np.arange(self.rng.randint(1, 4096), dtype=np.float32)
-            back = self.gw.echo(frames.make_frame([("hidden", data.reshape(-1, 1), 0)]))
+            back = self.sockets.gw.echo(frames.make_frame([("hidden", data.reshape(-1, 1), 0)]))
             got = back.frame.array("hidden").reshape(-1)
             self.tally.check("frames", bool(np.array_equal(got, data)), "echo round trip")
         elif kind == "generate":
             args = {"prompt": self.rng.choice(QUESTIONS), "max_tokens": 4, "output": ["hidden"]}
             n = 0
-            for reply in self.gw.generate(args):
+            for reply in self.sockets.gw.generate(args):
                 if reply.header.get("event") == "token":
                     n += 1
                     shape = list(reply.frame.array("hidden").shape)
                     self.tally.check("frames", shape == [1, t.n_embd], "hidden row per token")
             self.tally.add_tokens(n)
         else:
-            session = self._session()
+            session = self.draws.session()
             self.owned.add(session, "gateway")
             try:
-                tokens = self.gw.tokenize(self.rng.choice(QUESTIONS))
-                reply = self.gw.prefill(session, tokens, output=["hidden"])
+                tokens = self.sockets.gw.tokenize(self.rng.choice(QUESTIONS))
+                reply = self.sockets.gw.prefill(session, tokens, output=["hidden"])
                 shape = list(reply.frame.array("hidden").shape)
                 self.tally.check("frames", shape == [len(tokens), t.n_embd], "prefill hidden")
-                out = self.gw.decode(session, tokens[-1], output=["logits"])
+                out = self.sockets.gw.decode(session, tokens[-1], output=["logits"])
                 shape = list(out.frame.array("logits").shape)
                 self.tally.check("frames", shape == [1, t.n_vocab], "decode logits")
                 self.tally.add_tokens(1)
             finally:
-                self._drop(self.gw, session)
+                drop(self.sockets.gw, session, self.tally, self.owned)
 
     def migrate(self) -> None:
         """A session generated on one worker, moved to another
         (``export_state`` -> ``import_state`` -> ``drop``, straight to the
         workers), generated on there, dropped."""
         a_ep, b_ep = self.rng.sample(self.topo.workers, 2)
-        a, b = self.direct[a_ep], self.direct[b_ep]
-        session = self._session()
+        a, b = self.sockets.direct[a_ep], self.sockets.direct[b_ep]
+        session = self.draws.session()
         self.owned.add(session, a_ep)
         where = a
         try:
-            args = {"prompt": self._prompt(), "max_tokens": 8, "stream": False}
-            sampling = self._sampling()
+            args = {"prompt": self.draws.prompt(), "max_tokens": 8, "stream": False}
+            sampling = self.draws.sampling()
             if sampling is not None:
                 args["sampling"] = sampling
             first = a.call("generate", session, args).result
@@ -269,24 +285,29 @@ class Actor(ActorBase):
             more = b.call("generate", session, turn).result
             self.tally.add_tokens(int(more["usage"]["completion_tokens"]))
         finally:
-            self._drop(where, session)
+            drop(where, session, self.tally, self.owned)
 
     def cancel(self) -> None:
         """A long stream cancelled after a few tokens: ends ``cancelled``."""
-        session = self._session() if self.rng.random() < 0.3 else None
+        session = self.draws.session() if self.rng.random() < 0.3 else None
         if session is not None:
             self.owned.add(session, "gateway")
         try:
-            args = {"prompt": self._prompt(), "max_tokens": 200, "ignore_eos": True, "stream": True}
-            req_id = self.gw.send("generate", session, args)
+            args = {
+                "prompt": self.draws.prompt(),
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            req_id = self.sockets.gw.send("generate", session, args)
             n = 0
             final: dict[str, Any] = {}
-            for reply in self._stream(self.gw, req_id, limit=self.rng.randint(1, 6)):
+            for reply in stream(self.sockets.gw, req_id, limit=self.rng.randint(1, 6)):
                 n += reply.header.get("event") == "token"
                 final = reply.header if reply.done else {}
             if not final:  # (200 tokens take seconds: the stream is still running)
-                self.gw.cancel(req_id)
-                for reply in self._stream(self.gw, req_id):
+                self.sockets.gw.cancel(req_id)
+                for reply in stream(self.sockets.gw, req_id):
                     n += reply.header.get("event") == "token"
                     final = reply.header
             self.tally.add_tokens(n)
@@ -297,7 +318,7 @@ class Actor(ActorBase):
             )
         finally:
             if session is not None:
-                self._drop(self.gw, session)
+                drop(self.sockets.gw, session, self.tally, self.owned)
 
     def disconnect(self) -> None:
         """A client that goes away mid-stream (or before its first token):
@@ -309,62 +330,52 @@ class Actor(ActorBase):
         # A named session only once its stream has started: a request closed
         # unsent (limit 0, LINGER 0) could otherwise reach the gateway after
         # the drop sent on another socket and leave the session behind.
-        session = self._session() if limit and self.rng.random() < 0.3 else None
-        owner = self.direct[endpoint] if direct else self.gw
+        session = self.draws.session() if limit and self.rng.random() < 0.3 else None
+        owner = self.sockets.direct[endpoint] if direct else self.sockets.gw
         if session is not None:
             self.owned.add(session, endpoint if direct else "gateway")
-        gone = Client(endpoint, timeout_ms=self.timeout_ms)
+        gone = self.sockets.fresh(endpoint)
         try:
-            args = {"prompt": self._prompt(), "max_tokens": 200, "ignore_eos": True, "stream": True}
+            args = {
+                "prompt": self.draws.prompt(),
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+            }
             req_id = gone.send("generate", session, args)
             if limit:
-                n = sum(1 for _ in self._stream(gone, req_id, limit=limit))
+                n = sum(1 for _ in stream(gone, req_id, limit=limit))
                 self.tally.add_tokens(n)
         finally:
             gone.close()
         if session is not None:
             # Ordered after the stream on the worker (which the gateway or the
             # worker cancels when its next event finds the peer gone).
-            self._drop(owner, session)
+            drop(owner, session, self.tally, self.owned)
 
     def bad_input(self) -> None:
-        """One malformed or refused request on a fresh socket; the reply's
-        code must be the one the probe provokes."""
-        name, frames_out, want = self.rng.choice(probes(self.topo, self.rng))
-        targets = [self.topo.gateway] * 3 + self.topo.workers + self.topo.speech[:1]
-        endpoint = self.rng.choice(targets)
-        if endpoint in self.topo.speech and not name.startswith(("raw", "envelope")):
-            endpoint = self.topo.gateway  # op probes are LLM probes
-        with Client(endpoint, timeout_ms=self.timeout_ms) as c:
-            c.send_raw(frames_out)
-            reply = c.recv_any()
-        code = str((reply.header.get("error") or {}).get("code", "ok"))
-        # A prompt past a lane is refused as too long either way: by the
-        # per-request token limit (limit_exceeded) or by the lane (context_overflow).
-        if code == want or (want == "context_overflow" and code == "limit_exceeded"):
-            self.tally.error("bad_input", code, name, expected=True)
-        else:
-            self.tally.error(
-                "bad_input", code, f"probe {name} at {endpoint}: wanted {want}", expected=False
-            )
+        """One malformed or refused request (``_soak_probes.send_probe``)."""
+        send_probe(self.rng, self.topo, self.sockets, self.tally)
 
     def speech(self) -> None:
         """A short synthesis through the gateway; now and then a streamed one cancelled."""
         text = self.rng.choice(SPEECH_TEXTS)
         if self.rng.random() < 0.25:
-            req_id = self.gw.send("synthesize", None, {"text": text + " " + text, "stream": True})
-            if next(iter(self.gw.follow(req_id))).done:
+            req_id = self.sockets.gw.send(
+                "synthesize", None, {"text": text + " " + text, "stream": True}
+            )
+            if next(iter(self.sockets.gw.follow(req_id))).done:
                 return  # (two sentences are two chunks: not expected)
-            self.gw.cancel(req_id)
+            self.sockets.gw.cancel(req_id)
             try:
-                for _ in self.gw.follow(req_id):
+                for _ in self.sockets.gw.follow(req_id):
                     pass
             except SkiffError as exc:
                 if exc.code != "cancelled":
                     raise
                 self.tally.error("speech", exc.code, exc.message, expected=True)
             return
-        reply = self.gw.call("synthesize", None, {"text": text})
+        reply = self.sockets.gw.call("synthesize", None, {"text": text})
         self.tally.check(
             "speech", len(reply.buffers) == 1 and reply.result.get("bytes", 0) > 0, "wav"
         )
