@@ -9,19 +9,30 @@ and when.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 
 from faults import ErrorCode
 from protocol import sockets, transport
 
-if TYPE_CHECKING:
-    from _fuzz_procs import Proc
+
+class Watched(Protocol):
+    """What a connection needs of a process it watches (``_fuzz_procs.Proc``);
+    a protocol, so the socket side does not import the process side back."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+
+    def alive(self) -> bool: ...
+
+    def tail(self) -> str: ...
+
 
 CODES = {c.value for c in ErrorCode}
 CONTROL_IDS = 1 << 50  # the fuzzer's own ping / stats / drop: far from every case id
@@ -98,7 +109,7 @@ class Conn:
         endpoint: str,
         tally: Tally,
         timeout_s: float,
-        watch: Sequence[Proc] = (),
+        watch: Sequence[Watched] = (),
     ):
         self.sock = sockets.dealer(ctx, endpoint)
         self.watch = watch  # processes whose exit ends the run at once (no waiting out timeouts)
