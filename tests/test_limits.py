@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_scheduler import PEER, Harness
+from _scheduler_fakes import PEER, Harness
 
 from conftest import start_worker, stop_worker, tidy_client
 from faults import BadRequest, ContextOverflow, LimitExceeded
