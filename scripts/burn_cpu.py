@@ -13,7 +13,7 @@ the CPU with them.
 
     scripts/burn_cpu.py                              # every core, for an hour or until killed
     scripts/burn_cpu.py --cores 1 --seconds 60       # one core for a minute
-    scripts/burn_cpu.py -- scripts/test tests/test_gateway.py -x
+    scripts/burn_cpu.py -- scripts/test tests/test_gateway_failover.py -x
                                                      # a command with the burners alive;
                                                      # exits with the command's code
 

@@ -1,0 +1,238 @@
+"""The gateway's policy without sockets: the router (least loaded, cache-aware
+on shared prompt prefixes, round robin) and its prefix index, the affinity
+table, the load estimate of a worker, and the configuration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.affinity import AffinityTable
+from gateway.config import GatewayConfig, add_serve_arguments, from_namespace
+from gateway.pool import WorkerConn
+from gateway.router import Candidate, PrefixIndex, Router, least_loaded, prompt_blocks
+from gateway.runner import connectable
+
+# -- router ---------------------------------------------------------------------------
+
+
+def test_least_loaded_uses_the_queue_score_and_free_lanes() -> None:
+    a = Candidate("a", queued=1, running=0, free_lanes=0)  # 4
+    b = Candidate("b", queued=0, running=3, free_lanes=1)  # 2
+    assert (a.score, b.score) == (4, 2)
+    assert least_loaded([a, b]) == "b"
+    # same running, the one with room wins; a full tie goes by name
+    c = Candidate("c", running=2, free_lanes=6)
+    d = Candidate("d", running=2, free_lanes=0)
+    assert least_loaded([d, c]) == "c"
+    assert least_loaded([Candidate("y"), Candidate("x")]) == "x"
+    # full ties rotate with the turn; a lower score is never rotated away
+    tied = [Candidate("y"), Candidate("x"), Candidate("z", running=1)]
+    assert [least_loaded(tied, t) for t in range(4)] == ["x", "y", "x", "y"]
+    router = Router("least_loaded")
+    assert {router.choose(tied) for _ in range(4)} == {"x", "y"}
+
+
+def test_prompt_blocks_chain_on_shared_prefixes() -> None:
+    base = list(range(64))
+    one = prompt_blocks({"tokens": base})
+    two = prompt_blocks({"tokens": [*base[:32], 999, *base[33:]]})
+    assert len(one) == 4 and one[:2] == two[:2] and one[2] != two[2] and one[3] != two[3]
+    assert prompt_blocks({"tokens": base[:15]}) == ()  # no whole block
+    text = "x" * 64 + "y" * 64
+    assert prompt_blocks({"prompt": text})[0] == prompt_blocks({"prompt": "x" * 64 + "z" * 70})[0]
+    msgs = [{"role": "system", "content": "s" * 100}, {"role": "user", "content": "hi"}]
+    other = [{"role": "system", "content": "s" * 100}, {"role": "user", "content": "yo"}]
+    assert prompt_blocks({"messages": msgs})[0] == prompt_blocks({"messages": other})[0]
+    assert prompt_blocks({"prompt": text}) != prompt_blocks({"tokens": base})  # kinds differ
+    assert prompt_blocks({}) == ()
+
+
+def test_cache_aware_prefers_the_prefix_holder_until_it_is_too_busy() -> None:
+    router = Router("cache_aware", balance_threshold=2, cache_min_blocks=1, cache_full_blocks=1)
+    system = list(range(100, 164))
+    first = prompt_blocks({"tokens": [*system, 1, 2, 3]})
+    idle = [Candidate("a", free_lanes=4), Candidate("b", free_lanes=4)]
+    assert router.choose(idle, first) == "a"  # tie: least loaded by name; remembered
+    again = prompt_blocks({"tokens": [*system, 7, 8]})
+    # b is idler, but a holds the prefix and is within the threshold
+    busy_a = [Candidate("a", running=1, free_lanes=3), Candidate("b", free_lanes=4)]
+    assert router.choose(busy_a, again) == "a"
+    assert router.cache_routed == 1
+    # a is past the threshold: least loaded wins
+    too_busy = [Candidate("a", running=3, free_lanes=1), Candidate("b", free_lanes=4)]
+    assert router.choose(too_busy, again) == "b"
+    # now both hold the prefix: the longer match wins, then the lower load
+    longer = prompt_blocks({"tokens": [*system, 1, 2, 3, *range(20)]})
+    both = [Candidate("a", free_lanes=4), Candidate("b", free_lanes=4)]
+    router.index.insert("b", longer)
+    assert router.choose(both, longer) == "b"
+    # a prompt sharing nothing goes to the least loaded
+    assert router.choose(busy_a, prompt_blocks({"tokens": list(range(500, 600))})) == "b"
+    # within the threshold but with no free lane, while b has one: b (no queueing)
+    full_a = [Candidate("a", running=4, free_lanes=0), Candidate("b", running=3, free_lanes=1)]
+    assert full_a[0].score <= full_a[1].score + 2
+    assert router.choose(full_a, again) == "b"
+    # when no worker has a free lane, the prefix holder may still take it
+    all_full = [Candidate("a", running=4), Candidate("b", running=4)]
+    assert router.choose(all_full, again) == "a"
+    # by default a match shorter than 8 blocks (128 tokens: one prefill piece) does not count
+    strict = Router("cache_aware")
+    strict.index.insert("a", first)
+    assert strict.choose(busy_a, first) == "b"
+    long_prompt = prompt_blocks({"tokens": list(range(1000, 1600))})
+    strict.index.insert("a", long_prompt)
+    assert strict.choose(busy_a, long_prompt) == "a"
+
+
+def test_a_short_shared_prefix_wins_only_among_equally_loaded_workers() -> None:
+    """The slack a hit may cost grows with its length: a repeated 200-token
+    prompt does not pile onto the busier worker, a long conversation does."""
+    router = Router("cache_aware")  # threshold 2, hits from 8 blocks, the whole slack from 32
+    assert router.slack(8) == 0.5 and router.slack(16) == 1.0 and router.slack(64) == 2.0
+    short = prompt_blocks({"tokens": list(range(200))})  # 12 blocks
+    long = prompt_blocks({"tokens": list(range(1000, 1600))})  # 37 blocks
+    router.index.insert("a", short)
+    router.index.insert("a", long)
+    busier_a = [Candidate("a", running=4, free_lanes=4), Candidate("b", running=3, free_lanes=5)]
+    assert busier_a[0].score - busier_a[1].score == 2
+    assert router.choose(busier_a, short, remember=False) == "b"  # 0.75 < 2: balance
+    assert router.choose(busier_a, long, remember=False) == "a"  # 2 <= 2: the hit
+    level = [Candidate("a", running=4, free_lanes=4), Candidate("b", running=4, free_lanes=4)]
+    assert router.choose(level, short, remember=False) == "a"  # a tie: the hit decides
+
+
+def test_least_loaded_and_round_robin_ignore_prefixes() -> None:
+    blocks = prompt_blocks({"tokens": list(range(64))})
+    ll = Router("least_loaded")
+    ll.index.insert("a", blocks)
+    cands = [Candidate("a", running=1), Candidate("b")]
+    assert ll.choose(cands, blocks) == "b"
+    rr = Router("round_robin")
+    picks = [rr.choose([Candidate("b"), Candidate("a")], blocks) for _ in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+    assert Router().choose([], blocks) is None
+    with pytest.raises(ValueError):
+        Router("random")
+
+
+def test_prefix_index_is_bounded_and_forgets_a_worker() -> None:
+    index = PrefixIndex(capacity=3)
+    index.insert("a", [1, 2, 3, 4])  # 1 evicted (oldest)
+    assert index.size("a") == 3
+    assert index.match("a", [1, 2]) == 0 and index.match("a", [2, 3, 9]) == 2
+    index.insert("a", [2])  # touched: now newest
+    index.insert("a", [5])  # evicts 3
+    assert index.match("a", [2]) == 1 and index.match("a", [3]) == 0
+    index.forget("a")
+    assert index.size("a") == 0 and index.match("a", [2]) == 0
+
+
+# -- affinity ---------------------------------------------------------------------------
+
+
+def test_affinity_assign_confirm_drop_and_rebuild() -> None:
+    clock = [1.0]
+    table = AffinityTable(clock=lambda: clock[0])
+    table.assign("s1", "a", now=1.0)
+    table.assign("s2", "a", now=1.0, confirmed=True)
+    table.assign("s3", "b", now=1.0)
+    assert table.worker_of("s1") == "a" and not table.get("s1").confirmed  # type: ignore[union-attr]
+    table.confirm("s1")
+    assert table.get("s1").confirmed  # type: ignore[union-attr]
+    table.assign("s1", "b", now=2.0)  # moved
+    assert table.sessions_of("a") == ["s2"] and table.sessions_of("b") == ["s1", "s3"]
+    # b lists s3 and a session the table lacks; s1 (made after the ask) stays
+    added, removed = table.rebuild("b", ["s3", "s9"], asked_at=1.5, busy=lambda s: False)
+    assert (added, removed) == (["s9"], []) and table.worker_of("s9") == "b"
+    # a no longer lists s2: gone unless something is in flight for it
+    assert table.rebuild("a", [], asked_at=5.0, busy=lambda s: s == "s2") == ([], [])
+    assert table.rebuild("a", [], asked_at=5.0, busy=lambda s: False) == ([], ["s2"])
+    # a session another worker already holds is not taken over by a listing
+    assert table.rebuild("a", ["s1"], asked_at=6.0, busy=lambda s: False) == ([], [])
+    assert table.worker_of("s1") == "b"
+    # a drop that overtook the stats answer does not bring the session back
+    clock[0] = 7.0
+    table.remove("s9")
+    listed = ["s1", "s3", "s9"]
+    assert table.rebuild("b", listed, asked_at=6.5, busy=lambda s: False) == ([], [])
+    assert table.rebuild("b", listed, asked_at=7.5, busy=lambda s: False) == (["s9"], [])
+    # a drop is pending until its reply: a worker answers stats before running it
+    table.drop_started("s9")
+    clock[0] = 8.0
+    assert table.rebuild("b", listed, asked_at=7.9, busy=lambda s: False) == ([], [])
+    clock[0] = 8.5
+    table.drop_finished("s9")
+    assert table.rebuild("b", listed, asked_at=8.2, busy=lambda s: False) == ([], [])
+    assert table.rebuild("b", listed, asked_at=8.6, busy=lambda s: False) == (["s9"], [])
+    table.assign("s4", "b", now=8.0)  # unconfirmed: never existed as far as we know
+    assert table.drop_worker("b") == ["s1", "s3", "s4", "s9"]
+    assert len(table) == 0 and table.remove("nope") is None
+    # confirmed sessions of a worker that went down are remembered as lost
+    assert table.lost_on("s9") == "b"  # listed by b: confirmed
+    assert table.lost_on("s3") is None and table.lost_on("s4") is None  # never confirmed
+    assert table.forget_lost("s9") and table.lost_on("s9") is None
+    table.assign("s2", "b", now=9.0, confirmed=True)
+    table.drop_worker("b")
+    table.assign("s2", "a", now=10.0)  # e.g. a worker came back listing it
+    assert table.lost_on("s2") is None
+
+
+# -- load estimate -----------------------------------------------------------------------
+
+
+def test_candidate_adds_gateway_traffic_to_the_last_stats() -> None:
+    w = WorkerConn("w", "llm", peer=None)  # type: ignore[arg-type]
+    w.mark_stats_sent(0.0)
+    w.sent_work = 2  # sent after the stats request: not in the snapshot
+    w.apply_stats({"lanes": {"total": 4, "active": 1, "idle": 3}, "running": 1, "queued": 0})
+    w.done_work = 0
+    assert w.candidate() == Candidate("w", queued=0, running=3, free_lanes=3)
+    w.sent_work += 3  # 6 outstanding on 4 lanes
+    w.lanes_taken += 2
+    assert w.candidate() == Candidate("w", queued=2, running=4, free_lanes=1)
+    w.done_work += 6
+    w.lanes_freed += 2
+    assert w.candidate() == Candidate("w", queued=0, running=0, free_lanes=3)
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def _parse(argv: list[str]) -> GatewayConfig:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return from_namespace(parser.parse_args(argv))
+
+
+def test_config_flags_env_twins_and_workers_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listing = tmp_path / "workers"
+    listing.write_text("# pool\ntcp://w-1:5555\n\nspeech tcp://tts:5556  # voice\ntcp://w-2:5555\n")
+    monkeypatch.setenv("SKIFF_GATEWAY_WORKERS", "tcp://a:1, tcp://b:2")
+    monkeypatch.setenv("SKIFF_GATEWAY_POLICY", "least_loaded")
+    monkeypatch.setenv("SKIFF_METRICS_PORT", "9100")
+    cfg = _parse(["--workers-file", str(listing), "--http", "0.0.0.0:8080"])
+    assert cfg.all_workers == ("tcp://a:1", "tcp://b:2", "tcp://w-1:5555", "tcp://w-2:5555")
+    assert cfg.all_speech == ("tcp://tts:5556",)
+    assert (cfg.policy, cfg.metrics_port, cfg.http_address) == (
+        "least_loaded",
+        9100,
+        ("0.0.0.0", 8080),
+    )
+    # a flag wins over its variable
+    cfg = _parse(["--worker", "tcp://c:3", "--policy", "round_robin"])
+    assert cfg.all_workers == ("tcp://c:3",) and cfg.policy == "round_robin"
+    monkeypatch.delenv("SKIFF_GATEWAY_WORKERS")
+    with pytest.raises(SystemExit):
+        _parse([])  # no worker at all
+    with pytest.raises(SystemExit):
+        _parse(["--worker", "tcp://c:3", "--health-interval-ms", "1500"])  # >= down-after
+    assert connectable("tcp://0.0.0.0:5550") == "tcp://127.0.0.1:5550"
+    assert connectable("tcp://*:5550") == "tcp://127.0.0.1:5550"
+    assert connectable("ipc:///tmp/g.sock") == "ipc:///tmp/g.sock"
