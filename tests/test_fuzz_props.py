@@ -3,7 +3,7 @@
 The promise under test is one sentence: whatever a peer sends, the edge
 either gets a typed value or a ``faults.Fault`` (a stable error code), never
 another exception — which the edge would answer as ``internal``, and which
-for input alone is a bug. ``tests/test_codec.py`` and ``tests/test_frames.py``
+for input alone is a bug. ``tests/test_codec.py`` and ``tests/test_frames_*.py``
 hold the round trips and the one-field-at-a-time refusals; here values are
 arbitrary (any msgpack value, any integer, NaN, huge, deep), and the
 handlers of every op run through the real edge path (``scripts/fuzz_atheris.py``'s
