@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 import zmq
+from _exactness import TIMEOUT_MS, Run, _prompt, _run
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol import Client, SkiffError, sockets, transport
@@ -229,6 +230,28 @@ def client(worker: tuple[str, Path]) -> Iterator[Client]:
     """A client whose test leaves no session behind (lanes are shared)."""
     with tidy_client(worker[0]) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def reference(worker: tuple[str, Path]) -> Iterator[Callable[[int], Run]]:
+    """The run of the ``n``-token prompt on the shared worker, a session that
+    never moves, exported right after its prefill. Its prompt is unique, so
+    it is a cold prefill; its lane stays cached there afterwards.
+
+    The exactness modules' memo (test_exactness_session, _workers): one for
+    the session, as a second run of the same prompt would not be cold."""
+    runs: dict[int, Run] = {}
+    with Client(worker[0], timeout_ms=TIMEOUT_MS) as c:
+
+        def get(n: int) -> Run:
+            if n not in runs:
+                tag = f"ref-{n}"
+                hits = c.stats()["prefix_cache"]["hits"]
+                runs[n] = _run(c, tag, _prompt(c, tag, n), export=True)
+                assert c.stats()["prefix_cache"]["hits"] == hits, f"reference {n} was not cold"
+            return runs[n]
+
+        yield get
 
 
 def greedy_run(

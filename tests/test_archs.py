@@ -17,7 +17,7 @@ batched vs alone, chain vs one worker, migrated vs not, prefix reuse (the
 whole prompt again, a shared prefix, an imported session's lane) vs cold.
 Without a sliding window no window guard applies: an imported session of
 600 tokens (past Gemma 3's 512) trims to any position and its lane is
-reused; the same on Gemma 3 is refused (tests/test_exactness.py).
+reused; the same on Gemma 3 is refused (tests/test_exactness_session.py).
 """
 
 from __future__ import annotations
