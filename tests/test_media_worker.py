@@ -8,8 +8,9 @@ session's lane, positions, sampling. What is checked: token counts and
 positions, that the KV lands in the session's own lane (the reference stage
 server once wrote media into sequence 0: here a text session holds lane 0
 while the image goes in), that bad media leave the session untouched,
-that equal inputs give equal logits, and that media positions stay opaque
-(no token id) for export, speculation and trim.
+that equal inputs give equal logits, that media positions stay opaque
+(no token id) for export, speculation and trim, and that a chain equals
+one worker. Where a projector may not be: test_media_projector.py.
 """
 
 from __future__ import annotations
@@ -22,18 +23,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _media_calls import IMAGE, WRAP, lanes, logits_after, media_error, probe, text_tokens
 from media_images import TOKENS_PER_IMAGE, make_mmproj, png, rgb
 
 from conftest import WAIT_S, start_chain, start_worker, stop_worker, tidy_client, wait_until
-from protocol import Client, SkiffError
+from protocol import Client
 from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
 from worker.core.speculative import lookup_draft
 
 MAX_PIXELS = 4096  # --max-image-pixels of the media worker (64 x 64)
-IMAGE = png(rgb(48, 48, 2))
-# What mtmd wraps each Gemma 3 image in (so the text tokens of a prompt are
-# those of the prompt with the marker replaced by these two special tokens).
-WRAP = "<start_of_image><end_of_image>"
 
 
 @pytest.fixture(scope="module")
@@ -79,39 +77,6 @@ def marker(media_worker: tuple[str, Path]) -> str:
         return value
 
 
-def lanes(c: Client) -> dict[str, tuple[int, int]]:
-    """Named sessions -> (lane, position)."""
-    return {
-        s["session"]: (s["lane"], s["position"])
-        for s in c.stats()["sessions"]
-        if not s.get("ephemeral")
-    }
-
-
-def text_tokens(c: Client, prompt: str, marker: str, add_special: bool = True) -> list[int]:
-    ids: list[int] = c.tokenize(prompt.replace(marker, WRAP), add_special, True)
-    return ids
-
-
-def logits_after(c: Client, session: str, token: int) -> np.ndarray:
-    """Decode ``token`` into ``session``: the next-token logits (a copy)."""
-    reply = c.decode(session, token, output=["logits"])
-    return np.array(reply.frame.array("logits")[0])
-
-
-def probe(c: Client) -> int:
-    token: int = c.tokenize(" yes", add_special=False)[0]
-    return token
-
-
-def media_error(
-    c: Client, op: str, session: str | None, args: dict[str, Any], bufs: list[Any]
-) -> Any:
-    with pytest.raises(SkiffError) as err:
-        c.call(op, session, args, bufs)
-    return err.value
-
-
 # -- the worker surface ----------------------------------------------------------------
 
 
@@ -124,44 +89,6 @@ def test_info_reports_the_projector(mc: Client, projector_path: Path) -> None:
         "audio": False,
     }
     assert "prefill_media" in info["ops"]
-
-
-def test_without_a_projector_media_is_unsupported(client: Client) -> None:
-    assert client.info()["media"] is None
-    url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
-    parts = [{"type": "image_url", "image_url": {"url": url}}]
-    for op, session, args in (
-        ("prefill_media", "m", {"prompt": "<__media__>", "media": [{"buffer": 0}]}),
-        ("generate", None, {"prompt": "<__media__>", "media": [{"buffer": 0}]}),
-        ("chat", None, {"messages": [{"role": "user", "content": parts}]}),
-    ):
-        err = media_error(client, op, session, args, [IMAGE])
-        assert err.code == "unsupported" and "--mmproj" in err.message, (op, err)
-    assert "m" not in lanes(client)
-    # OpenAI-style text parts need no projector: they are the message's text
-    text_parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi."}]
-    a = client.chat([{"role": "user", "content": text_parts}], max_tokens=3)
-    b = client.chat([{"role": "user", "content": "Say hi."}], max_tokens=3)
-    assert a["tokens"] == b["tokens"]
-
-
-def test_worker_refuses_a_projector_wider_than_its_micro_batch(
-    tmp_path: Path, projector_path: Path
-) -> None:
-    """llama.cpp aborts the process on a non-causal decode wider than
-    n_ubatch: a worker whose micro-batch cannot hold one image must not start."""
-    with pytest.raises(RuntimeError, match="micro-batch"):
-        start_worker(
-            tmp_path,
-            "--lanes",
-            "1",
-            "--ctx",
-            "512",
-            "--ubatch",
-            "8",
-            "--mmproj",
-            str(projector_path),
-        )
 
 
 # -- prefill_media ---------------------------------------------------------------------
@@ -423,10 +350,3 @@ def test_images_through_a_chain_equal_one_worker(
     assert (got["token"], got["token_count"]) == (want["token"], want["token_count"])
     assert float(np.max(np.abs(got_logits - want_logits))) == 0.0
     assert got_tokens == want_tokens and len(want_tokens) == 7  # 6 tokens, then done
-
-
-def test_a_later_stage_refuses_a_projector(projector_path: Path, tmp_path: Path) -> None:
-    """Only stage 0 embeds images: a projector on a later stage is a
-    configuration mistake, refused at startup by name."""
-    with pytest.raises(RuntimeError, match="stage 0"):
-        start_worker(tmp_path, "--layers", "9:18", "--mmproj", str(projector_path), name="bad")
