@@ -3,7 +3,7 @@
 The official client -> the HTTP front -> the gateway (in-process, as
 ``skiff-gateway --http`` runs it) -> a real ``skiff-speech`` process: server-sent
 ``speech.audio.delta`` events decode to PCM that whisper (the oracle of
-tests/test_speech.py) hears as the text, raw WAV and PCM stream as chunked
+tests/test_speech_worker.py) hears as the text, raw WAV and PCM stream as chunked
 bodies, and a client that hangs up mid-stream gets its synthesis cancelled
 on the speech worker. Streaming "as made" is shown by order, not by time:
 the first audio reaches the client while the worker still reports the long
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+from _speech_worker import normalise, speech_like, transcribe
 
 from conftest import WAIT_S, FakeUpstream, wait_until
 from gateway.config import GatewayConfig
@@ -38,7 +39,6 @@ from gateway.runner import Gateway
 from protocol import Client
 
 pytest.importorskip("piper")
-from test_speech import normalise, speech_like, transcribe
 
 from speech.engine import split_sentences
 

