@@ -180,7 +180,6 @@ class Router:
         return chosen
 
     def _cache_aware(self, candidates: Sequence[Candidate], blocks: Sequence[int]) -> str:
-        key = self.home_key(blocks)
         best_load = min(c.score for c in candidates)
         room_elsewhere = any(c.free_lanes > 0 for c in candidates)
         best: Candidate | None = None
@@ -192,25 +191,13 @@ class Router:
             if room_elsewhere and c.free_lanes == 0:
                 continue  # it would queue here while a lane waits elsewhere
             if matched > best_match or (
-                best is not None
-                and matched == best_match
-                and (c.score, -c.free_lanes, _rank(key, c.name))
-                < (best.score, -best.free_lanes, _rank(key, best.name))
+                best is not None and matched == best_match and c.score < best.score
             ):
                 best, best_match = c, matched
         if best is not None:
             self.cache_routed += 1
             return best.name
-        return least_loaded(candidates, next(self._turn), self.home_key(blocks))
-
-    def home_key(self, blocks: Sequence[int]) -> int:
-        """What places a prompt among equally loaded workers: the hash of its
-        first ``cache_min_blocks`` blocks (fewer if it is shorter). The same
-        prompt, or prompts sharing that start, then go to the same worker
-        whenever loads tie, so each worker's prefix cache holds its own share
-        of the prompts instead of all of them (with more prompts than idle
-        lanes, the rest would evict each other)."""
-        return blocks[min(len(blocks), self.cache_min_blocks) - 1]
+        return least_loaded(candidates, next(self._turn))
 
     def slack(self, matched: int) -> float:
         """The load a prefix of ``matched`` blocks may cost over the least
@@ -226,19 +213,9 @@ class Router:
         self.index.forget(worker)
 
 
-def least_loaded(candidates: Sequence[Candidate], turn: int = 0, home: int | None = None) -> str:
+def least_loaded(candidates: Sequence[Candidate], turn: int = 0) -> str:
     """Lowest score, then more free lanes; among full ties (in name order)
-    the ``turn``-th, so successive calls with a rising ``turn`` rotate; with
-    a prompt's ``home`` key, the tied worker that key ranks first (rendezvous
-    hashing: the same prompt lands on the same worker, and a worker that
-    leaves moves only its own prompts)."""
+    the ``turn``-th, so successive calls with a rising ``turn`` rotate."""
     key = min((c.score, -c.free_lanes) for c in candidates)
     tied = sorted(c.name for c in candidates if (c.score, -c.free_lanes) == key)
-    if home is not None and len(tied) > 1:
-        return min(tied, key=lambda name: _rank(home, name))
     return tied[turn % len(tied)]
-
-
-def _rank(home: int, worker: str) -> int:
-    """A worker's place for a prompt key: lowest first (stable in a process)."""
-    return hash((home, worker))
