@@ -56,10 +56,8 @@ from .outcomes import Outcomes, SchedulerStats
 from .peers import PeerLimits
 
 _log = get_logger("skiff.scheduler")
-# A prompt waiting this long goes first, whatever its length (no starvation).
-PREFILL_AGE_S = 2.0
-# a stage with nothing to plan waits this long for the chain, then serves its socket
-_LAND_WAIT_MS = 20
+PREFILL_AGE_S = 2.0  # a prompt waiting this long goes first, whatever its length
+_LAND_WAIT_MS = 20  # a stage with nothing to plan waits this long for the chain
 
 
 @dataclass(frozen=True)
@@ -116,13 +114,16 @@ class Scheduler:
         return max(10, int(self.stats.mean_turn_ms() * max(1, len(self.pending))))
 
     def cancel(self, owner: Hashable, req_id: int) -> bool:
-        return self._cancel(lambda j: j.ticket.owner == owner and j.ticket.id == req_id) > 0
+        for job in self._all_jobs():  # a request's id: its first live job
+            if job.ticket.owner == owner and job.ticket.id == req_id and not job.cancelled:
+                job.cancelled = True
+                return True
+        return False
 
     def suspend(self, owner: Hashable, req_id: int) -> bool:
         """Ask one of ``owner``'s streams to stop between two turns and hand
         its state over (``Job.on_suspend``: a ``suspended`` final event); one
-        still queued ends at once with ``resume: None`` (send it elsewhere).
-        False when there is no such stream, or it cannot move."""
+        still queued ends at once with ``resume: None``. False: none, or unmovable."""
         for job in list(self.pending):
             if job.ticket.owner == owner and job.ticket.id == req_id and job.suspendable():
                 self.pending.remove(job)
@@ -230,17 +231,17 @@ class Scheduler:
         if job.ticket.expired(now):
             return DeadlineExceeded("deadline passed")
         if queued and job.waits_for_lane:
-            waited_ms = (now - job.ticket.received) * 1000
-            if waited_ms > self.cfg.admission_timeout_ms:
-                why = "no lane, or its session busy"
+            most = self.cfg.admission_timeout_ms
+            if (now - job.ticket.received) * 1000 > most:
                 return DeadlineExceeded(
-                    f"not started within {self.cfg.admission_timeout_ms} ms ({why})"
+                    f"not started within {most} ms (no lane, or its session busy)"
                 )
         return None
 
     def _count_stop(self, reason: Fault) -> None:
-        self.stats.cancelled += isinstance(reason, Cancelled)
-        self.stats.expired += not isinstance(reason, Cancelled)
+        cancelled = isinstance(reason, Cancelled)
+        self.stats.cancelled += cancelled
+        self.stats.expired += not cancelled
 
     def _start_pending(self, now: float) -> None:
         """Start queued jobs in order. A session's jobs run one at a time; and
@@ -285,10 +286,9 @@ class Scheduler:
             blocked.update(job.sessions)
 
     def _group_size(self, groups: int) -> int | None:
-        """The most decode streams one launch takes: with ``groups`` > 1 the
-        streams split into that many groups of equal size that take turns
-        down the chain (lane order keeps each group's members the same from
-        one turn to the next); None = every ready stream."""
+        """The most decode streams one launch takes: with ``groups`` > 1 they
+        split into that many equal groups taking turns down the chain (lane
+        order keeps each group the same from turn to turn); None = all."""
         if groups <= 1:
             return None
         decoding = sum(1 for j in self.active if j.phase == PHASE_DECODE)
