@@ -35,6 +35,7 @@ _OWN = str(ROOT) + os.sep
 _VENV = (sys.prefix + os.sep, str(Path(sys.prefix).resolve()) + os.sep)
 _recording = threading.Event()
 _seen: dict[str, int] = {}
+_calls: dict[tuple[str, str], int] = {}
 
 
 def _profile(frame: FrameType, event: str, arg: Any) -> None:
@@ -42,8 +43,10 @@ def _profile(frame: FrameType, event: str, arg: Any) -> None:
         return
     name = frame.f_code.co_filename
     # the project's own modules: the venv may live under the checkout
-    if name.startswith(_OWN) and not name.startswith(_VENV) and name not in _seen:
-        _seen[name] = len(_seen)
+    if name.startswith(_OWN) and not name.startswith(_VENV):
+        _seen.setdefault(name, len(_seen))
+        key = (name, frame.f_code.co_qualname)
+        _calls[key] = _calls.get(key, 0) + 1
 
 
 def _drive(endpoint: str, args: dict[str, Any], done: list[str]) -> None:
@@ -65,6 +68,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sampling", action="store_true", help="a seeded non-greedy request")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument(
+        "--functions", action="store_true", help="also list each module's functions that ran"
+    )
     opts = ap.parse_args()
     endpoint = f"ipc://{tempfile.mkdtemp(prefix='skiff-trip-')}/w.sock"
     args: dict[str, Any] = {"prompt": "The capital of France is", "max_tokens": opts.max_tokens}
@@ -85,8 +91,12 @@ def main() -> int:
         f"one generate ({'sampled' if opts.sampling else 'greedy'}) runs through "
         f"{len(modules)} modules, in order of first entry:"
     )
-    for i, m in enumerate(modules, 1):
+    for i, (path, m) in enumerate(zip(sorted(_seen, key=_seen.__getitem__), modules), 1):
         print(f"{i:3d}. {m}")
+        if opts.functions:
+            for (where, func), n in _calls.items():
+                if where == path:
+                    print(f"       {func} x{n}")
     return 0
 
 
