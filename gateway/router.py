@@ -7,12 +7,12 @@ left is placing *new* work, three ways (``--policy``):
 - ``cache_aware`` (default). Each worker's prefix cache keeps the KV of
   prompts it served on idle lanes, so a prompt that shares a long prefix with
   one a worker saw recently prefills mostly for free there. The gateway keeps
-  an approximate per-worker index of the prompts it routed (chained hashes of
-  16-token / 64-character blocks, LRU-bounded, in the spirit of SGLang's
-  cache-aware router) and sends a prompt to the worker sharing the longest
-  prefix of at least ``--cache-min-blocks`` blocks (default 8: 128 tokens,
-  the worker's default prefill piece, the smallest prefix its exact prefix
-  cache reuses), but only while that worker's load score is within
+  an approximate per-worker index of the prompts it routed (chained BLAKE2b
+  hashes of 16-token / 64-character blocks, LRU-bounded, in the spirit of
+  SGLang's cache-aware router) and sends a prompt to the worker sharing the
+  longest prefix of at least ``--cache-min-blocks`` blocks (default 8: 128
+  tokens, the worker's default prefill piece, the smallest prefix its exact
+  prefix cache reuses), but only while that worker's load score is within
   ``--balance-threshold`` (default 2: one more running request and one
   fewer free lane) of the least loaded one, scaled down for matches shorter
   than ``--cache-full-blocks`` (default 32: 512 tokens; ``Router.slack``),
@@ -39,9 +39,11 @@ plain data and no sockets.
 from __future__ import annotations
 
 import itertools
+import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from hashlib import blake2b
 from typing import Any
 
 TOKEN_BLOCK = 16  # token ids per prefix block
@@ -68,13 +70,15 @@ def prompt_blocks(args: Mapping[str, Any]) -> tuple[int, ...]:
     ``messages``. Block ``i``'s hash covers blocks ``0..i``, so two prompts
     share ``k`` leading hashes exactly when they share their first ``k`` blocks
     (up to hash collisions, which only cost a cache miss). A trailing partial
-    block is not hashed: the worker's prefix cache reuses whole pieces too."""
+    block is not hashed: the worker's prefix cache reuses whole pieces too.
+    The hashes are BLAKE2b, not ``hash()``: the same prompt has the same
+    blocks in every process."""
     tokens = args.get("tokens")
     if isinstance(tokens, list) and tokens:
-        return _chain(tokens, TOKEN_BLOCK, 1)
+        return _token_chain(tokens)
     prompt = args.get("prompt")
     if isinstance(prompt, str) and prompt:
-        return _chain(prompt, TEXT_BLOCK, 2)
+        return _text_chain(prompt, 2)
     messages = args.get("messages")
     if isinstance(messages, list) and messages:
         text = "".join(
@@ -82,18 +86,42 @@ def prompt_blocks(args: Mapping[str, Any]) -> tuple[int, ...]:
             for m in messages
             if isinstance(m, dict)
         )
-        return _chain(text, TEXT_BLOCK, 3)
+        return _text_chain(text, 3)
     return ()
 
 
-def _chain(seq: Sequence[Any], size: int, salt: int) -> tuple[int, ...]:
-    out: list[int] = []
-    h = salt
-    for start in range(0, min(len(seq) - size + 1, MAX_BLOCKS * size), size):
-        block = seq[start : start + size]
-        h = hash((h, block if isinstance(block, str) else tuple(block)))
-        out.append(h)
-    return tuple(out)
+def _token_chain(tokens: list[Any]) -> tuple[int, ...]:
+    """Blocks of ``TOKEN_BLOCK`` ids, hashed as their little-endian int64s."""
+    n = min(len(tokens) // TOKEN_BLOCK, MAX_BLOCKS) * TOKEN_BLOCK
+    try:
+        raw = struct.pack(f"<{n}q", *tokens[:n])
+    except struct.error:
+        return ()  # not token ids: the worker refuses it; routed by load
+    return _chain(raw, TOKEN_BLOCK * 8, 1)
+
+
+def _text_chain(text: str, salt: int) -> tuple[int, ...]:
+    """Blocks of ``TEXT_BLOCK`` characters, hashed as UTF-8 (lone surrogates,
+    which JSON can carry, passed through rather than refused)."""
+    text = text[: min(len(text) // TEXT_BLOCK, MAX_BLOCKS) * TEXT_BLOCK]
+    if text.isascii():  # one byte a character: cut the encoded text
+        return _chain(text.encode("ascii"), TEXT_BLOCK, salt)
+    blocks = [text[i : i + TEXT_BLOCK] for i in range(0, len(text), TEXT_BLOCK)]
+    return _chain([b.encode("utf-8", "surrogatepass") for b in blocks], 0, salt)
+
+
+def _chain(data: bytes | list[bytes], size: int, salt: int) -> tuple[int, ...]:
+    """Per block (``size`` bytes of ``data``, or each item of a list), a
+    64-bit hash over the previous block's digest and its bytes; the first
+    over ``salt`` (one per kind, so tokens and text never share a hash)."""
+    if isinstance(data, bytes):
+        data = [data[i : i + size] for i in range(0, len(data), size)]
+    digests: list[bytes] = []
+    digest = salt.to_bytes(8, "little")
+    for block in data:
+        digest = blake2b(digest + block, digest_size=8).digest()
+        digests.append(digest)
+    return tuple(int.from_bytes(d, "little") for d in digests)
 
 
 class PrefixIndex:

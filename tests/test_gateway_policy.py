@@ -5,15 +5,30 @@ table, the load estimate of a worker, and the configuration.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gateway.affinity import AffinityTable
 from gateway.config import GatewayConfig, add_serve_arguments, from_namespace
 from gateway.pool import WorkerConn
-from gateway.router import Candidate, PrefixIndex, Router, least_loaded, prompt_blocks
+from gateway.router import (
+    MAX_BLOCKS,
+    TOKEN_BLOCK,
+    Candidate,
+    PrefixIndex,
+    Router,
+    least_loaded,
+    prompt_blocks,
+)
 from gateway.runner import connectable
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # -- router ---------------------------------------------------------------------------
 
@@ -48,6 +63,50 @@ def test_prompt_blocks_chain_on_shared_prefixes() -> None:
     assert prompt_blocks({"messages": msgs})[0] == prompt_blocks({"messages": other})[0]
     assert prompt_blocks({"prompt": text}) != prompt_blocks({"tokens": base})  # kinds differ
     assert prompt_blocks({}) == ()
+
+
+_CHILD_BLOCKS = """
+import json, sys
+from gateway.router import prompt_blocks
+json.dump([prompt_blocks(p) for p in json.load(sys.stdin)], sys.stdout)
+"""
+
+
+def test_prompt_blocks_are_the_same_in_every_process() -> None:
+    """BLAKE2b, not ``hash()``: Python salts ``str`` hashes per process, and
+    a prompt's blocks place it (its home), in tests as in a restarted gateway."""
+    prompts: list[dict[str, Any]] = [
+        {"tokens": list(range(7, 400))},
+        {"prompt": "You are a helpful assistant. " * 40},
+        {"prompt": "Réponds en français. " * 30},
+        {"messages": [{"role": "system", "content": "Be brief. " * 80}]},
+    ]
+    here = [list(prompt_blocks(p)) for p in prompts]
+    assert all(len(b) >= 8 for b in here)
+    for seed in ("0", "4242"):
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD_BLOCKS],
+            input=json.dumps(prompts),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            check=True,
+            timeout=60,
+        )
+        assert json.loads(out.stdout) == here
+
+
+def test_prompt_blocks_are_bounded_and_only_of_token_ids() -> None:
+    many = list(range((MAX_BLOCKS + 5) * TOKEN_BLOCK))
+    assert len(prompt_blocks({"tokens": many})) == MAX_BLOCKS
+    assert prompt_blocks({"tokens": [1.5] * 32}) == ()  # not token ids: routed by load
+    assert prompt_blocks({"tokens": [2**70] * 32}) == ()
+    # text is hashed as UTF-8 per 64 characters, lone surrogates included
+    assert len(prompt_blocks({"prompt": "é" * 130})) == 2
+    assert len(prompt_blocks({"prompt": "\ud800" * 64})) == 1
+    mixed = prompt_blocks({"prompt": "x" * 64 + "é" * 64})
+    assert mixed[0] == prompt_blocks({"prompt": "x" * 64 + "y" * 64})[0]
 
 
 def test_cache_aware_prefers_the_prefix_holder_until_it_is_too_busy() -> None:
