@@ -36,7 +36,7 @@ class GatewayConfig:
     health_interval_ms: int = 500
     down_after_ms: int = 1500
     stall_after_ms: int = 15_000
-    balance_threshold: float = 2.0  # load-score slack a cache hit may cost
+    balance_threshold: float = 2.0  # load-score slack a cache hit (or a prompt's home) may cost
     cache_min_blocks: int = 8  # prefix blocks a worker must share to win on cache
     cache_full_blocks: int = 32  # a match this long may cost the whole balance threshold
     prefix_index_blocks: int = 65_536  # remembered prefix blocks per worker (LRU)
@@ -99,19 +99,22 @@ _OPTIONS: list[tuple[str, type, str, str]] = [
         "balance-threshold",
         float,
         "SKIFF_GATEWAY_BALANCE_THRESHOLD",
-        "cache_aware: a prefix hit wins while its load score is within this of the least loaded",
+        "cache_aware: a prefix hit or a prompt's home wins while its load score is within this "
+        "of the least loaded",
     ),
     (
         "cache-min-blocks",
         int,
         "SKIFF_GATEWAY_CACHE_MIN_BLOCKS",
-        "cache_aware: prefix blocks (16 tokens / 64 chars) a worker must share to win",
+        "cache_aware: prefix blocks (16 tokens / 64 chars) a worker must share to win; "
+        "a prompt this long has a home",
     ),
     (
         "cache-full-blocks",
         int,
         "SKIFF_GATEWAY_CACHE_FULL_BLOCKS",
-        "cache_aware: a match this long may cost the whole --balance-threshold; shorter, a share",
+        "cache_aware: a match this long (a home counts as one) may cost the whole "
+        "--balance-threshold; shorter, a share",
     ),
     (
         "prefix-index-blocks",

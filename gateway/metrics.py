@@ -96,7 +96,7 @@ class GatewayMetrics:
         )
         self.cache_routed = Gauge(
             f"{ns}_cache_routed",
-            "Routing decisions a prefix-cache match made (since start).",
+            "Routing decisions that went to a worker holding the prompt's prefix (since start).",
             registry=registry,
         )
 

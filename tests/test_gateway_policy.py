@@ -113,54 +113,76 @@ def test_cache_aware_prefers_the_prefix_holder_until_it_is_too_busy() -> None:
     router = Router("cache_aware", balance_threshold=2, cache_min_blocks=1, cache_full_blocks=1)
     system = list(range(100, 164))
     first = prompt_blocks({"tokens": [*system, 1, 2, 3]})
+    home = router.home(["a", "b"], first)
+    assert home is not None
+    other = "b" if home == "a" else "a"
     idle = [Candidate("a", free_lanes=4), Candidate("b", free_lanes=4)]
-    assert router.choose(idle, first) == "a"  # tie: least loaded by name; remembered
+    assert router.choose(idle, first) == home  # a tie: the prompt's home; remembered
+    assert router.cache_routed == 0  # the home had not seen it: not a prefix hit
     again = prompt_blocks({"tokens": [*system, 7, 8]})
-    # b is idler, but a holds the prefix and is within the threshold
-    busy_a = [Candidate("a", running=1, free_lanes=3), Candidate("b", free_lanes=4)]
-    assert router.choose(busy_a, again) == "a"
+    assert router.home(["a", "b"], again) == home  # the same first block
+    # the other is idler, but the home holds the prefix and is within the threshold
+    busy_home = [Candidate(home, running=1, free_lanes=3), Candidate(other, free_lanes=4)]
+    assert router.choose(busy_home, again) == home
     assert router.cache_routed == 1
-    # a is past the threshold: least loaded wins
-    too_busy = [Candidate("a", running=3, free_lanes=1), Candidate("b", free_lanes=4)]
-    assert router.choose(too_busy, again) == "b"
-    # now both hold the prefix: the longer match wins, then the lower load
+    # the home is past the threshold: least loaded wins (and now holds the prefix too)
+    too_busy = [Candidate(home, running=3, free_lanes=1), Candidate(other, free_lanes=4)]
+    assert router.choose(too_busy, again) == other
+    # a longer real match wins over the home's, then the lower load
     longer = prompt_blocks({"tokens": [*system, 1, 2, 3, *range(20)]})
     both = [Candidate("a", free_lanes=4), Candidate("b", free_lanes=4)]
-    router.index.insert("b", longer)
-    assert router.choose(both, longer) == "b"
-    # a prompt sharing nothing goes to the least loaded
-    assert router.choose(busy_a, prompt_blocks({"tokens": list(range(500, 600))})) == "b"
-    # within the threshold but with no free lane, while b has one: b (no queueing)
-    full_a = [Candidate("a", running=4, free_lanes=0), Candidate("b", running=3, free_lanes=1)]
-    assert full_a[0].score <= full_a[1].score + 2
-    assert router.choose(full_a, again) == "b"
+    router.index.insert(other, longer)
+    assert router.index.match(home, longer) == 4 and router.index.match(other, longer) == 5
+    assert router.choose(both, longer) == other
+    # within the threshold but with no free lane, while the other has one: no queueing
+    full_home = [
+        Candidate(home, running=4, free_lanes=0),
+        Candidate(other, running=3, free_lanes=1),
+    ]
+    assert full_home[0].score <= full_home[1].score + 2
+    assert router.choose(full_home, first) == other
     # when no worker has a free lane, the prefix holder may still take it
-    all_full = [Candidate("a", running=4), Candidate("b", running=4)]
-    assert router.choose(all_full, again) == "a"
-    # by default a match shorter than 8 blocks (128 tokens: one prefill piece) does not count
+    all_full = [Candidate(other, running=4), Candidate(home, running=4)]
+    assert router.index.match(other, first) == router.index.match(home, first) == 4
+    assert router.choose(all_full, first) == home  # the same match and load: the home
+    # by default a match shorter than 8 blocks (128 tokens: one prefill piece) does
+    # not count, and a prompt that short has no home: least loaded
     strict = Router("cache_aware")
+    busy_a = [Candidate("a", running=1, free_lanes=3), Candidate("b", free_lanes=4)]
     strict.index.insert("a", first)
+    assert strict.home(["a", "b"], first) is None
     assert strict.choose(busy_a, first) == "b"
-    long_prompt = prompt_blocks({"tokens": list(range(1000, 1600))})
-    strict.index.insert("a", long_prompt)
-    assert strict.choose(busy_a, long_prompt) == "a"
+    # a long real match beats the home's (a full hit: 32 blocks)
+    long_prompt = prompt_blocks({"tokens": list(range(1000, 1600))})  # 37 blocks
+    holder = "b" if strict.home(["a", "b"], long_prompt) == "a" else "a"
+    strict.index.insert(holder, long_prompt)
+    level = [Candidate("a", running=1, free_lanes=3), Candidate("b", running=1, free_lanes=3)]
+    assert strict.choose(level, long_prompt, remember=False) == holder
 
 
-def test_a_short_shared_prefix_wins_only_among_equally_loaded_workers() -> None:
-    """The slack a hit may cost grows with its length: a repeated 200-token
-    prompt does not pile onto the busier worker, a long conversation does."""
+def test_a_short_shared_prefix_elsewhere_wins_only_among_equally_loaded_workers() -> None:
+    """Away from a prompt's home, the slack a hit may cost grows with its
+    length: a repeated 200-token prompt does not pile onto the busier worker,
+    a long conversation does. At equal load the home (a full hit) decides."""
     router = Router("cache_aware")  # threshold 2, hits from 8 blocks, the whole slack from 32
     assert router.slack(8) == 0.5 and router.slack(16) == 1.0 and router.slack(64) == 2.0
-    short = prompt_blocks({"tokens": list(range(200))})  # 12 blocks
-    long = prompt_blocks({"tokens": list(range(1000, 1600))})  # 37 blocks
-    router.index.insert("a", short)
-    router.index.insert("a", long)
-    busier_a = [Candidate("a", running=4, free_lanes=4), Candidate("b", running=3, free_lanes=5)]
-    assert busier_a[0].score - busier_a[1].score == 2
-    assert router.choose(busier_a, short, remember=False) == "b"  # 0.75 < 2: balance
-    assert router.choose(busier_a, long, remember=False) == "a"  # 2 <= 2: the hit
-    level = [Candidate("a", running=4, free_lanes=4), Candidate("b", running=4, free_lanes=4)]
-    assert router.choose(level, short, remember=False) == "a"  # a tie: the hit decides
+    for blocks in (
+        prompt_blocks({"tokens": list(range(200))}),  # 12 blocks: slack 0.75
+        prompt_blocks({"tokens": list(range(1000, 1600))}),  # 37 blocks: slack 2
+    ):
+        home = router.home(["a", "b"], blocks)
+        assert home is not None
+        holder = "b" if home == "a" else "a"
+        router.index.insert(holder, blocks)  # seen only away from home
+        busier = [
+            Candidate(holder, running=4, free_lanes=4),
+            Candidate(home, running=3, free_lanes=5),
+        ]
+        assert busier[0].score - busier[1].score == 2
+        expected = holder if len(blocks) > router.cache_full_blocks else home
+        assert router.choose(busier, blocks, remember=False) == expected
+        level = [Candidate("a", running=4, free_lanes=4), Candidate("b", running=4, free_lanes=4)]
+        assert router.choose(level, blocks, remember=False) == expected
 
 
 def test_least_loaded_and_round_robin_ignore_prefixes() -> None:
