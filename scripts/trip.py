@@ -86,12 +86,13 @@ def main() -> int:
     if done != ["ok"]:
         print(f"trip: the client {done}", file=sys.stderr)
         return 1
-    modules = [str(Path(p).relative_to(ROOT)) for p in sorted(_seen, key=_seen.__getitem__)]
+    paths = sorted(_seen, key=_seen.__getitem__)
+    modules = [str(Path(p).relative_to(ROOT)) for p in paths]
     print(
         f"one generate ({'sampled' if opts.sampling else 'greedy'}) runs through "
         f"{len(modules)} modules, in order of first entry:"
     )
-    for i, (path, m) in enumerate(zip(sorted(_seen, key=_seen.__getitem__), modules), 1):
+    for i, (path, m) in enumerate(zip(paths, modules, strict=True), 1):
         print(f"{i:3d}. {m}")
         if opts.functions:
             for (where, func), n in _calls.items():
