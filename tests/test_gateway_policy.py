@@ -164,11 +164,11 @@ def test_a_short_shared_prefix_elsewhere_wins_only_among_equally_loaded_workers(
     """Away from a prompt's home, the slack a hit may cost grows with its
     length: a repeated 200-token prompt does not pile onto the busier worker,
     a long conversation does. At equal load the home (a full hit) decides."""
-    router = Router("cache_aware")  # threshold 2, hits from 8 blocks, the whole slack from 32
-    assert router.slack(8) == 0.5 and router.slack(16) == 1.0 and router.slack(64) == 2.0
+    router = Router("cache_aware")  # threshold 4, hits from 8 blocks, the whole slack from 32
+    assert router.slack(8) == 1.0 and router.slack(16) == 2.0 and router.slack(64) == 4.0
     for blocks in (
-        prompt_blocks({"tokens": list(range(200))}),  # 12 blocks: slack 0.75
-        prompt_blocks({"tokens": list(range(1000, 1600))}),  # 37 blocks: slack 2
+        prompt_blocks({"tokens": list(range(200))}),  # 12 blocks: slack 1.5
+        prompt_blocks({"tokens": list(range(1000, 1600))}),  # 37 blocks: slack 4
     ):
         home = router.home(["a", "b"], blocks)
         assert home is not None

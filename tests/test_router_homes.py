@@ -98,15 +98,15 @@ def test_equally_loaded_workers_send_a_fresh_prompt_home() -> None:
 
 
 def test_a_home_more_than_the_threshold_busier_loses_to_the_least_loaded() -> None:
-    router = Router()  # threshold 2
+    router = Router()  # threshold 4: two more running requests (and two fewer free lanes)
     blocks = prompt_blocks({"prompt": "Summarise the following report. " * 30})
     home, other = _home_and_other(router, blocks)
     least = Candidate(other, running=1, free_lanes=3)  # score -2
-    within = Candidate(home, running=2, free_lanes=2)  # score 0: 2 busier
-    beyond = Candidate(home, running=3, free_lanes=2)  # score 1: 3 busier
+    within = Candidate(home, running=3, free_lanes=1)  # score 2: 4 busier
+    beyond = Candidate(home, running=4, free_lanes=1)  # score 3: 5 busier
     assert router.choose([least, within], blocks, remember=False) == home
     assert router.choose([least, beyond], blocks, remember=False) == other
-    assert Router(balance_threshold=3).choose([least, beyond], blocks, remember=False) == home
+    assert Router(balance_threshold=5).choose([least, beyond], blocks, remember=False) == home
 
 
 def test_a_home_with_no_free_lane_loses_while_another_has_one() -> None:
