@@ -25,6 +25,7 @@ first, then the lowest.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
@@ -48,6 +49,15 @@ class Ephemeral:
 
     def __str__(self) -> str:
         return f"~gen-{self.n}"
+
+    @classmethod
+    def fresh(cls) -> Ephemeral:
+        """A new id, never given before in this process (sessionless
+        ``generate``, ``embed``)."""
+        return cls(next(_ephemeral_ids))
+
+
+_ephemeral_ids = itertools.count(1)
 
 
 SessionId = str | Ephemeral

@@ -216,13 +216,15 @@ class ParkHost(Protocol):
 
 
 def parkable(rt: ParkHost, ids: list[SessionId]) -> list[Session]:
-    """Sessions in lanes that could be parked to make room for ``ids``: not
+    """Sessions in lanes that could be parked to make room for ``ids``: named
+    by a peer (a string: what no peer can name again is not worth keeping;
+    ``RuntimeState`` relies on it and looks for no other id here), not
     ephemeral, not among ``ids``, not held by a running job; LRU first."""
     wanted = set(ids)
     idle = [
         s
         for s in rt.lanes.sessions.values()
-        if not s.ephemeral and s.id not in wanted and not rt.pinned(s.id)
+        if isinstance(s.id, str) and not s.ephemeral and s.id not in wanted and not rt.pinned(s.id)
     ]
     return sorted(idle, key=lambda s: s.last_used)
 

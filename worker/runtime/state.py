@@ -11,17 +11,17 @@ We read each involved lane's real position back and move exactly the
 sessions that advanced (their token history is cut to match), then raise
 ``EngineFault`` saying which ones moved.
 
-Reading a forward's output rows (sampling, logprobs, tensors) is
-``self.rows``, a ``RowReader`` (``steps.py``); the prefix cache's policy and
-counters are in ``prefix.py``.
+Output rows (samples, logprobs, tensors) are read by ``self.rows``
+(``steps.RowReader``); the prefix cache's policy is in ``prefix.py``.
 
 With a ``Park`` (``park.py``, ``--park-bytes``) lanes are a cache over
 sessions: ``admit`` parks the least recently used idle session when a new
 one needs its lane (after the prefix cache's lanes, which are cheaper to
 lose), and restores a parked session into a lane when it is named again.
 "Idle" is the scheduler's word: ``pinned`` (set by the ``Scheduler``) says
-which sessions a running job holds; by default every session is pinned and
-nothing is parked.
+which sessions a running job holds (by default all: nothing is parked).
+Only named sessions park, and the park is entered only for them or when
+the lanes are short.
 """
 
 from __future__ import annotations
@@ -88,16 +88,25 @@ class RuntimeState:
         take free lanes (parking idle sessions for room), parked ones are
         restored."""
         ids = list(session_ids)
-        if self.park is not None:
-            for sid in ids:
-                if self.was_evicted(sid):  # never a fresh session in its place
-                    raise self.not_active(sid)
+        for sid in ids:
+            if self.was_evicted(sid):  # never a fresh session in its place
+                raise self.not_active(sid)
+        if self.park is not None and len(self.lanes.missing(ids)) > self.lanes.free:
             make_room(self, ids)
         sessions = self.lanes.admit(ids, ephemeral)
         self._clear_evicted()
         if self.park is not None:
-            sessions = [restore(self, s) if s.id in self.park else s for s in sessions]
+            sessions = [restore(self, s) if self._parked(s.id) else s for s in sessions]
         return sessions
+
+    def _park_of(self, session_id: SessionId) -> Park | None:
+        """The park, if the session could be in it: only named sessions park
+        (``park.parkable``), so an ephemeral id is not even looked for."""
+        return self.park if isinstance(session_id, str) else None
+
+    def _parked(self, session_id: SessionId) -> bool:
+        park = self._park_of(session_id)
+        return park is not None and session_id in park
 
     def lanes_for(self, session_ids: Sequence[SessionId]) -> tuple[int, int]:
         """(lanes the sessions need, lanes they could get): free lanes plus,
@@ -118,24 +127,23 @@ class RuntimeState:
 
     def known(self, session_id: SessionId) -> Session | None:
         """A session this worker holds, in a lane or parked (left where it is)."""
-        session = self.lanes.get(session_id)
-        if session is None and self.park is not None:
-            session = self.park.get(session_id)
-        return session
+        session, park = self.lanes.get(session_id), self._park_of(session_id)
+        return park.get(session_id) if session is None and park is not None else session
 
     def require(self, session_id: SessionId) -> Session:
         """A session in a lane (restored first when parked), else ``SessionNotActive``."""
         session = self.lanes.get(session_id)
         if session is not None:
             return session
-        if self.park is not None and session_id in self.park:
+        if self._parked(session_id):
             (session,) = self.admit([session_id])
             return session
         raise self.not_active(session_id)
 
     def was_evicted(self, session_id: SessionId) -> bool:
         """Parked, then evicted past ``--park-bytes``: named, it is refused until dropped."""
-        return self.park is not None and self.park.was_evicted(session_id)
+        park = self._park_of(session_id)
+        return park is not None and park.was_evicted(session_id)
 
     def not_active(self, session_id: SessionId) -> SessionNotActive:
         """The error for naming a session this worker does not hold."""
@@ -169,7 +177,7 @@ class RuntimeState:
         known = self.lanes.get(session_id)
         if known is not None:
             return known, 0
-        if self.park is not None and session_id in self.park:
+        if self._parked(session_id):
             (restored,) = self.admit([session_id])
             return restored, 0
         cached = reuse and self.lanes.cached > 0
@@ -215,8 +223,9 @@ class RuntimeState:
     def drop(self, session_id: SessionId) -> None:
         """End a session. Its lane keeps its KV for the prefix cache when the
         session's tokens provably match the engine's cells; otherwise it is cleared."""
-        parked = self.park.drop(session_id) if self.park is not None else None
-        if self.park is not None and self.park.forget_eviction(session_id):
+        park = self._park_of(session_id)
+        parked = park.drop(session_id) if park is not None else None
+        if park is not None and park.forget_eviction(session_id):
             return  # dropping an evicted session ends it: the name is free again
         if parked is not None:
             if parked.sampler is not None:
