@@ -218,12 +218,16 @@ def test_argument_validation_loads_no_llama_cpp() -> None:
 def test_every_op_has_one_handler() -> None:
     """``generate`` and ``chat`` once shadowed each other by dict-merge order;
     the op table now refuses an op defined twice."""
+    from worker.api.generate import GENERATIONS
     from worker.api.ops import OPS, join
 
     with pytest.raises(ValueError, match="defined twice"):
         join({"a": OPS["ping"]}, {"a": OPS["info"]})
     from protocol.envelope import Op
 
-    assert OPS[Op.GENERATE].__module__ == "worker.api.generate"
-    assert OPS[Op.CHAT].__module__ == "worker.api.generate"
+    # a generation is read into a ``Generation`` (the service builds its job)
+    # and is no other family's op
+    assert GENERATIONS[Op.GENERATE].__module__ == "worker.api.generate"
+    assert GENERATIONS[Op.CHAT].__module__ == "worker.api.generate"
+    assert not set(GENERATIONS) & set(OPS)
     assert OPS[Op.PREFILL].__module__ == "worker.api.handlers"

@@ -10,7 +10,8 @@ import pytest
 
 from edge import Request
 from faults import BadRequest, Unsupported
-from worker.api import generate, jobs, tensors
+from worker import service
+from worker.api import generate, tensors
 from worker.api.app import App
 from worker.api.requests import Generation, Speculation
 from worker.api.validate import Context
@@ -62,15 +63,15 @@ def test_the_worker_decides_what_a_typed_request_may_use() -> None:
     fake = SimpleNamespace(draft=None, speculate_streams=2)
     app = cast(App, fake)
     with pytest.raises(Unsupported, match="no draft model"):
-        jobs._drafter(app, _gen(Speculation("draft_model", 4)))
-    auto = jobs._drafter(app, _gen(None))  # asked nothing: the worker's prompt lookup
+        service._drafter(app, _gen(Speculation("draft_model", 4)))
+    auto = service._drafter(app, _gen(None))  # asked nothing: the worker's prompt lookup
     assert isinstance(auto, PromptLookup) and auto.max_streams == 2
-    asked = jobs._drafter(app, _gen(Speculation("prompt_lookup", 4, 2)))
+    asked = service._drafter(app, _gen(Speculation("prompt_lookup", 4, 2)))
     assert isinstance(asked, PromptLookup) and asked.max_streams is None  # drafts at any load
-    assert jobs._drafter(app, _gen(Speculation("off", 0))) is None
-    assert jobs._drafter(app, _gen(None, ("logits",))) is None  # outputs: never speculates
+    assert service._drafter(app, _gen(Speculation("off", 0))) is None
+    assert service._drafter(app, _gen(None, ("logits",))) is None  # outputs: never speculates
     fake.speculate_streams = None  # --speculate off
-    assert jobs._drafter(app, _gen(None)) is None
+    assert service._drafter(app, _gen(None)) is None
 
 
 def test_a_stage_checks_each_sampling_map_once(monkeypatch: pytest.MonkeyPatch) -> None:

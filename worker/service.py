@@ -1,18 +1,21 @@
-"""The LLM worker as an edge service: op table, turns, and rendering outputs.
+"""The LLM worker as an edge service: op -> typed request -> job, turns, and
+rendering outputs.
 
 This is the worker's side of the edge line. It owns the runtime, the
-scheduler and the outbox; the shared ``EdgeServer`` calls it. After each
-scheduler turn it takes the jobs' typed outputs from the outbox and renders
-them as wire messages: results and events as headers, tensors as one
-frame (``protocol.frames``: its map under ``"frame"`` in the result, raw
-buffers as extra ZeroMQ frames, no copy), failures as error replies with
-their class's code.
+scheduler and the outbox; the shared ``EdgeServer`` calls it. A ``generate``
+or ``chat`` header is read by its op's reader (``api/generate.py``) into a
+``Generation``, and ``generation_job`` here, the one builder, makes its job
+(where the worker comes in: its draft model, chat template, projector, a
+fresh ephemeral session). After each scheduler turn the service takes the
+jobs' typed outputs from the outbox and renders them as wire messages:
+results and events as headers, tensors as one frame (``protocol.frames``:
+its map under ``"frame"`` in the result, raw buffers as extra ZeroMQ
+frames, no copy), failures as error replies with their class's code.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -20,27 +23,33 @@ from typing import Any
 from structlog import get_logger
 
 from edge import Handler, Outgoing, Request, failure_header, logs
-from edge import process as process_stats
-from faults import Internal, Unsupported
+from faults import BadRequest, Internal, Unsupported
 from protocol import frames
-from protocol.envelope import VERSION, event_reply, ok_reply
+from protocol.envelope import event_reply, ok_reply
 
-from .api.ops import OPS
+from .api.app import App
+from .api.generate import GENERATIONS, Reader
+from .api.media import media_prompt
+from .api.ops import DOWNSTREAM_OPS, DRAIN_OPS, OPS, allowed, refuse
+from .api.requests import Generation
 from .api.validate import Context
 from .chain.setup import StagePlan, link_for
 from .config import WorkerConfig, park_bytes
-from .core.chat import ChatTemplate
+from .core.chat import ChatJob, ChatTemplate
 from .core.jobs.base import MAX_SPAN_ROWS, Event, Failure, Job, Outbox, Output, Tensors, Ticket
+from .core.jobs.generate import GenerateJob
+from .core.jobs.media import MediaGenerateJob
 from .core.scheduler import Scheduler, SchedulerConfig
-from .core.speculative import DraftModel
+from .core.speculative import AUTO_MAX_DRAFT, AUTO_NGRAM, Drafter, DraftModel, PromptLookup
+from .describe import worker_info, worker_stats
 from .engine import Engine, LlamaGrammars
 from .engine.media import Projector
 from .handoff import Handoff
+from .limits import exceeded
 from .models import resolve_model
 from .profile import Profile
-from .runtime import RuntimeState
+from .runtime import Ephemeral, RuntimeState, SessionId
 from .runtime.park import Park
-from .runtime.report import runtime_stats
 from .slice.ggufmeta import tied_head
 from .spec import GrammarChecker
 
@@ -111,9 +120,15 @@ class LlmService:
         )
         self.outbox = Outbox()
         self._handlers: dict[str, Handler] = {
-            op: functools.partial(fn, self) if allowed(op, stage) else _refuse(op, stage)
+            op: functools.partial(fn if allowed(op, stage) else refuse(op, stage), self)
             for op, fn in OPS.items()
         }
+        for op, read in GENERATIONS.items():  # header -> Generation -> its job, here
+            self._handlers[op] = (
+                functools.partial(self._generation, read)
+                if allowed(op, stage)
+                else functools.partial(refuse(op, stage), self)
+            )
         self.requests = 0
         self.draining = False  # SIGTERM: finishing accepted work, refusing new
         self.profile = Profile()  # stats' profile: where the loop's and turns' time goes
@@ -137,6 +152,18 @@ class LlmService:
 
     def submit(self, job: Job) -> None:
         self.sched.submit(job)
+
+    def _generation(self, read: Reader, req: Request) -> None:
+        """A ``generate`` / ``chat``: read, built, submitted. A job refused at
+        submission (a quota) frees the media it decoded; a job that runs
+        frees them itself."""
+        job = generation_job(self, req, read(self, req))
+        try:
+            self.submit(job)
+        except BaseException:
+            if isinstance(job, MediaGenerateJob):
+                job.media.close()
+            raise
 
     # -- the edge's Service protocol -------------------------------------------
 
@@ -165,8 +192,8 @@ class LlmService:
         # answering the chain. Stage 0 and whole-model workers let sessions
         # be moved away (export_state) or let go (drop).
         if self.stage is not None and not self.stage.first:
-            return frozenset(_DOWNSTREAM_OPS)
-        return _DRAIN_OPS
+            return DOWNSTREAM_OPS
+        return DRAIN_OPS
 
     def begin_drain(self) -> None:
         """SIGTERM: tell the peers that named the sessions held here that this
@@ -208,131 +235,108 @@ class LlmService:
                 _log.info("session_expired", session=str(session.id), idle_s=round(idle, 1))
         self.hand.forget_gone()
 
-    # -- cheap ops ---------------------------------------------------------------
+    # -- cheap ops: assembled in describe.py ---------------------------------
 
     def info(self) -> dict[str, Any]:
-        e = self.engine
-        return {
-            "model": {
-                "path": e.cfg.model_path,
-                "name": e.metadata("general.name"),
-                "n_vocab": e.n_vocab,
-                "n_embd": e.n_embd,
-                "n_layer": self.rt.n_layer,
-                "architecture": e.metadata("general.architecture"),
-                "n_ctx_train": e.n_ctx_train,
-                "sliding_window": e.n_swa,  # 0: no layer uses a sliding window
-                "tied_head": self.tied_head,
-                "has_chat_template": e.metadata("tokenizer.chat_template") is not None,
-                "bos": e.bos,
-                "eos": e.eos,
-            },
-            "lanes": self.rt.lanes.n_lanes,
-            "n_ctx": e.n_ctx,
-            "n_ctx_per_lane": self.rt.ctx_per_lane,
-            # lanes share one KV cache (--ctx-per-lane above ctx / lanes): a
-            # session's cells then depend on its neighbours (docs/exactness.md)
-            "kv_unified": e.kv_unified,
-            "n_batch": e.n_batch,
-            "threads": self.cfg.n_threads,
-            "cpus": sorted(os.sched_getaffinity(0)),  # the cores it may run on (--cpus)
-            # how long idle OpenMP threads spin (None: libgomp's default)
-            "omp_spincount": os.environ.get("GOMP_SPINCOUNT"),
-            "max_batch_tokens": self.cfg.budget,
-            "prefill_chunk": self.cfg.prefill_chunk,
-            "ops": sorted(self._handlers),
-            "chat_template": self.chat.info(),
-            "speech": False,
-            "draft_model": self.draft.path if self.draft else None,
-            # prompt lookup for generations that ask for no speculation
-            "speculate": {"mode": self.cfg.speculate, "max_streams": self.cfg.speculate_streams},
-            "media": self.projector.info() if self.projector else None,
-            # the CPU kernels this worker computes with and the exactness rule in force
-            "cpu": e.cpu,
-            "limits": {
-                "max_message_bytes": self.cfg.max_message_bytes,
-                "max_request_bytes": self.cfg.max_request_bytes,
-                "max_queue": self.cfg.max_queue,
-                **self.limits.as_dict(),
-                "park_bytes": self.rt.park.limit if self.rt.park is not None else 0,
-            },
-            "protocol": VERSION,
-            **(self.chain_info() or {}),
-        }
-
-    def chain_info(self) -> dict[str, Any] | None:
-        """This stage, as the first entry of its ``chain``; a stage with a
-        next stage answers ``info`` through a job that asks the rest of the
-        chain (``api.handlers.h_info``), so the loop never waits for it."""
-        if self.stage is None:
-            return None
-        mine = {**self.stage.info(), "bind": self.cfg.bind}
-        if self.link is not None and self.link.head:
-            # where sampled tokens come home from (3+ stages; set on the first forward)
-            mine["direct_return"] = self.link.direct_endpoint
-        return {"stage": mine, "chain": [mine]}
+        return worker_info(self)
 
     def stats(self) -> dict[str, Any]:
-        out = runtime_stats(self.rt)
-        out.update(self.sched.stats.snapshot())
-        out["running"] = len(self.sched.active)
-        out["queued"] = len(self.sched.pending)
-        out["requests"] = self.requests
-        out["draining"] = self.draining
-        out["process"] = process_stats.snapshot()  # RSS, Python objects: leaks vs settling
-        out["profile"] = self.profile.snapshot(self.rt, self.sched.stats)
-        return out
+        return worker_stats(self)
 
 
-# Ops a draining worker still serves (besides ping/info/stats/cancel): they
-# move or release sessions it holds, so a gateway can take them elsewhere.
-# ``generate`` only with ``resume`` (a stream whose move failed goes on here):
-# its handler refuses the rest with ``shutting_down``.
-_DRAIN_OPS = frozenset({"export_state", "drop", "suspend", "handoff", "generate"})
+def _drafter(app: App, gen: Generation) -> Drafter | None:
+    """The drafter for a generation's ``speculative``, on this worker.
 
-# Ops a stage that is not the first serves (its peer is the previous stage).
-_DOWNSTREAM_OPS = {
-    "export_state",
-    "import_state",
-    "signal",
-    "signal_window",
-    "ping",
-    "info",
-    "stats",
-    "forward_frame",
-    "trim",
-    "align",
-    "drop",
-    "cancel",
-    "tokenize",
-    "detokenize",
-}
-# Ops the head of a chain cannot serve: they need this process's logits or all the KV.
-# signal / signal_window are asked of the last stage (where the logits are);
-# verify and speculative rows are sampled there (runtime.steps.RowRule);
-# export_state / import_state gather every stage's cells.
-_NOT_ON_CHAIN: set[str] = set()
+    Asked for none, the worker's ``--speculate auto`` drafts by prompt lookup
+    while few streams decode (``PromptLookup.max_streams``): the output is
+    the same to the bit either way, only sooner. Not with ``outputs``, which
+    speculation does not serve.
+    """
+    speculation = gen.speculation
+    if speculation is None:
+        if app.speculate_streams is None or gen.outputs:
+            return None
+        return PromptLookup(AUTO_NGRAM, AUTO_MAX_DRAFT, max_streams=app.speculate_streams)
+    if speculation.mode == "off":
+        return None
+    if speculation.mode == "prompt_lookup":
+        return PromptLookup(speculation.ngram, speculation.max_draft)
+    if app.draft is None:
+        raise Unsupported("no draft model is configured on this worker (--draft-model)")
+    if speculation.path is not None and speculation.path != app.draft.path:
+        raise Unsupported(f"this worker's draft model is {app.draft.path}, not another")
+    return app.draft.with_max(speculation.max_draft)
 
 
-def allowed(op: str, stage: StagePlan | None) -> bool:
-    if stage is None or (stage.first and not stage.next):
-        return op != "forward_frame"
-    if not stage.first:
-        return op in _DOWNSTREAM_OPS
-    return op not in _NOT_ON_CHAIN and op != "forward_frame"
+def generation_job(app: App, req: Request, gen: Generation) -> GenerateJob:
+    """The job of a ``generate`` or ``chat``: text or tokens, a chat's
+    rendered messages, media, or a moved stream's resume; the one builder.
 
-
-def _refuse(op: str, stage: StagePlan | None) -> Handler:
-    def handler(req: Request) -> dict[str, Any] | None:
-        if stage is None or stage.first:
-            where = "a whole-model worker" if stage is None else "the head of a pipeline"
-            raise Unsupported(f"{op} is not served by {where}")
-        raise Unsupported(
-            f"{op} is not served by a pipeline stage holding layers "
-            f"{stage.layers[0]}:{stage.layers[1]}; send it to stage 0"
+    What the worker may refuse without decoding anything (the draft model)
+    is asked first; media are decoded last, and freed if the job is not made.
+    """
+    # An ephemeral id is not a string, so no peer can name it (see ``Ephemeral``).
+    session: SessionId = gen.session if gen.session is not None else Ephemeral.fresh()
+    resumed_ephemeral = gen.resume is not None and gen.resume.ephemeral
+    stop_extra: list[str] = []
+    stop_tokens_extra: list[int] = []
+    if gen.resume is not None:  # the stops in force where it ran (a chat's end of turn)
+        stop_extra, stop_tokens_extra = list(gen.resume.stop), list(gen.resume.stop_tokens)
+    template = app.chat
+    if gen.messages is not None:  # a chat: its template's end of turn stops it too
+        stop_extra = [template.end_of_turn] if template.end_of_turn else []
+        stop_tokens_extra = template.stop_tokens
+    kw: dict[str, Any] = {
+        "ephemeral": gen.session is None or resumed_ephemeral,
+        "max_tokens": gen.max_tokens,
+        "spec": gen.spec,
+        "stop": [*gen.stop, *(s for s in stop_extra if s not in gen.stop)],
+        "stop_tokens": {*gen.stop_tokens, *stop_tokens_extra},
+        "ignore_eos": gen.ignore_eos,
+        "stream": gen.stream,
+        "chunk": app.chunk,
+        "drafter": _drafter(app, gen),
+        "top_logprobs": gen.top_logprobs,
+        "outputs": gen.outputs,
+        "prompt_limit": app.prompt_limit,
+        "resume": gen.resume,
+        "span_rows": app.span_rows,
+    }
+    ticket = app.ticket(req)
+    if gen.messages is None:  # generate: its prompt, or a moved stream's pending tokens
+        prompt = gen.prompt if gen.resume is None else []
+        assert prompt is not None
+        if not gen.media:
+            return GenerateJob(ticket, session, prompt=prompt, **kw)
+        assert isinstance(prompt, str)
+        text, where = prompt, "prompt"
+    elif not gen.media:  # chat: the rendered messages' tokens
+        tokens = template.prompt_tokens(app.engine, gen.messages, gen.tools)
+        if not tokens:
+            raise BadRequest("messages render to an empty prompt")
+        cells, most = app.rt.ctx_per_lane, app.limits.max_request_tokens
+        if most < cells and len(tokens) > most:  # over the cells: context_overflow, at start
+            raise exceeded(f"messages render to {len(tokens)} tokens", most, "max_request_tokens")
+        closer, bos = template.closer_tokens, template.bos
+        return ChatJob(ticket, session, prompt=tokens, closer=closer, bos=bos, **kw)
+    else:  # chat with media: the rendered text holds the markers
+        text, where = template.render(gen.messages, tools=gen.tools), "the rendered chat"
+    chat = gen.messages is not None  # rendered text: no BOS of its own, special tokens parsed
+    media = media_prompt(app, text, gen.media, where, False if chat else None, chat)
+    try:
+        return MediaGenerateJob(
+            ticket,
+            session,
+            prompt=text,
+            media=media,
+            chat=chat,
+            closer=template.closer_tokens if chat else (),
+            bos=template.bos if chat else None,
+            **kw,
         )
-
-    return handler
+    except BaseException:
+        media.close()
+        raise
 
 
 def to_frame(t: Tensors) -> frames.Frame:
@@ -391,4 +395,4 @@ def render(ticket: Ticket, output: Output) -> Outgoing:
     return Outgoing(peer, header, buffers)
 
 
-__all__ = ["LlmService", "render"]
+__all__ = ["LlmService", "generation_job", "render"]

@@ -1,17 +1,18 @@
 """The generation ops: ``generate`` and ``chat``, header -> typed request.
 
-A handler here does one thing: ``read_generation`` reads the header in one
+A reader here does one thing: ``read_generation`` reads the header in one
 pass over its op's table (``GENERATION`` / ``CHAT``: every field's kind
 checks it and holds it to its limit, the media items and a chat's messages
-and tools included) into a frozen ``Generation`` (``requests.py``), and
-``jobs.generation_job`` turns that into the job, which is submitted. So a
-request flows one way, read here and in ``validate.py``, built in
-``jobs.py``, decoded in ``media.py``, and never comes back up to be read
-again; the core never sees a dict from the wire.
+and tools included) into a frozen ``Generation`` (``requests.py``) and
+returns it. The service turns that into the job (``service.generation_job``,
+the one builder) and submits it. So a request flows one way, read here and
+in ``validate.py``, built by the service, and never comes back up to be
+read again; the core never sees a dict from the wire.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -20,8 +21,7 @@ from faults import BadRequest, ShuttingDown, Unsupported
 from protocol.envelope import Op
 
 from ..core.suspend import Resume
-from .app import App, Handler
-from .jobs import generation_job, submit
+from .app import App
 from .media import MediaItems, projector_of
 from .messages import Messages, Tools
 from .requests import Generation, Speculation
@@ -197,7 +197,7 @@ def read_generation(app: App, req: Request) -> Generation:
     )
 
 
-def h_generate(app: App, req: Request) -> dict[str, Any] | None:
+def read_generate(app: App, req: Request) -> Generation:
     """``generate``: a text prompt or tokens; with ``media``, a text prompt
     holding one marker per item; with ``resume``, a stream moved here."""
     if app.draining and "resume" not in req.args:  # a moved stream may come back here
@@ -205,21 +205,20 @@ def h_generate(app: App, req: Request) -> dict[str, Any] | None:
             "this process is shutting down and takes no new work; retry elsewhere or later",
             retry_after_ms=1000,
         )
-    gen = read_generation(app, req)
-    submit(app, generation_job(app, req, gen))
-    return None
+    return read_generation(app, req)
 
 
-def h_chat(app: App, req: Request) -> dict[str, Any] | None:
+def read_chat(app: App, req: Request) -> Generation:
     """``chat``: messages rendered by the chat template (with ``tools``: the
     template's tool support or a preamble, ``core/tools.py``); media as
     ``image_url`` parts, or as ``media`` with markers in the text."""
-    gen = read_generation(app, req)
-    submit(app, generation_job(app, req, gen))
-    return None
+    return read_generation(app, req)
 
 
-GENERATE_HANDLERS: dict[str, Handler] = {
-    Op.GENERATE: h_generate,
-    Op.CHAT: h_chat,
+Reader = Callable[[App, Request], Generation]
+
+# The ops whose header becomes a ``Generation``: the service builds their job.
+GENERATIONS: dict[str, Reader] = {
+    Op.GENERATE: read_generate,
+    Op.CHAT: read_chat,
 }

@@ -28,12 +28,11 @@ from ..core.jobs.tensors import (
     StageStep,
 )
 from ..limits import Limits
-from ..runtime import Origin, wire
+from ..runtime import Ephemeral, Origin, wire
 from ..runtime.steps import RowRule
 from ..spec import SamplerSpec
 from .app import App, Handler
 from .handlers import session_entries
-from .jobs import next_ephemeral
 from .sampling import get_sampling
 from .validate import (
     check_request_tokens,
@@ -66,7 +65,7 @@ def h_embed(app: App, req: Request) -> dict[str, Any] | None:
         raise BadRequest(f"pooling must be one of {list(POOLINGS)}")
     if req.session is not None:
         raise BadRequest("embed is stateless: give no session")
-    session = next_ephemeral()
+    session = Ephemeral.fresh()
     app.submit(EmbedJob(app.ticket(req), session, tokens, app.chunk, pooling))
     return None
 
