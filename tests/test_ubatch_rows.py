@@ -1,4 +1,4 @@
-"""``engine.batch.ubatch_rows``: the micro-batches llama.cpp computes, which the
+"""``engine.tap.ubatch_rows``: the micro-batches llama.cpp computes, which the
 engine uses to put a layer tap's rows back in batch order. Whether it agrees
 with llama.cpp is checked on every tapped decode (sizes) and by the chain
 tests (logits); here, its shape rules."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.engine.batch import ubatch_rows
+from worker.engine.tap import ubatch_rows
 
 
 def test_a_unified_cache_keeps_batch_order() -> None:

@@ -16,7 +16,7 @@ the ones it reads.
 A stage's KV cache is laid out as a whole worker's (one stream per lane
 unless ``--ctx-per-lane`` asks for more than an equal share), so a session's
 cells sit in the same order and its attention sums match bit for bit; the
-engine maps the tap's rows back to batch order (``engine/batch.py``).
+engine maps the tap's rows back to batch order (``engine/tap.py``).
 """
 
 from __future__ import annotations

@@ -40,10 +40,10 @@ import llama_cpp as ll
 import numpy as np
 
 from . import kernels, pages
-from .batch import Batch, DecodeStatus, Segment, ubatch_rows
+from .batch import Batch, DecodeStatus, Segment
 from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import FileDigest, restream
-from .tap import LayerTap, TapError, in_batch_order
+from .tap import LayerTap, TapError, in_batch_order, ubatch_rows
 
 
 def _ensure_backend(batch_invariant: bool, rule: kernels.KernelRule | None = None) -> None:

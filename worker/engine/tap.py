@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import llama_cpp as ll
@@ -97,7 +97,7 @@ class LayerTap:
 
     def take(self) -> dict[int, list[np.ndarray]]:
         """The captures of the last decode: per layer, one array per micro-batch
-        in the order llama.cpp computed them (``batch.ubatch_rows`` maps them
+        in the order llama.cpp computed them (``ubatch_rows`` maps them
         back to batch order)."""
         error, got = self._error, self._got
         self.reset()
@@ -111,7 +111,7 @@ def in_batch_order(
 ) -> dict[int, np.ndarray]:
     """Each layer's captures as one ``[rows, n_embd]`` array in batch order.
 
-    ``plan`` is the batch rows of each micro-batch as ``batch.ubatch_rows``
+    ``plan`` is the batch rows of each micro-batch as ``ubatch_rows``
     predicts llama.cpp's split. Per-lane KV streams put a lane's rows
     together, so the rows come back permuted; a unified cache keeps batch
     order. Micro-batches of other sizes than predicted mean llama.cpp's split
@@ -134,4 +134,51 @@ def in_batch_order(
             placed[order] = rows
             rows = placed
         out[layer] = rows
+    return out
+
+
+def ubatch_rows(seqs: Sequence[int], n_ubatch: int, per_lane_streams: bool) -> list[list[int]]:
+    """The batch rows of each micro-batch llama.cpp computes, in its order.
+
+    A unified KV cache splits a batch into runs of ``n_ubatch`` rows in batch
+    order. A cache with one stream per lane needs each micro-batch to hold
+    the same number of rows of each lane, lanes of consecutive ids, a lane's
+    rows together (``llama_batch_allocr::split_equal(n_ubatch, sequential=
+    true)``): rows come out of batch order. Logits are mapped back by
+    llama.cpp; a layer tap sees graph rows, which ``in_batch_order`` maps
+    back with this. It mirrors llama.cpp's code, so ``in_batch_order`` checks
+    its result against the captures' sizes (on every ``Engine.take_taps``).
+    """
+    n = len(seqs)
+    if not per_lane_streams or all(s == seqs[0] for s in seqs):
+        # one lane's rows (a prompt piece, a stage's single stream) split as a
+        # unified cache splits: runs of n_ubatch in batch order
+        return [list(range(i, min(i + n_ubatch, n))) for i in range(0, n, n_ubatch)]
+    rows_of: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        rows_of.setdefault(int(s), []).append(i)
+    taken = dict.fromkeys(rows_of, 0)
+    used = [False] * n
+    left = n
+    out: list[list[int]] = []
+    while left:
+        lanes: list[int] = []
+        for i in range(n):
+            s = int(seqs[i])
+            if used[i] or s in lanes or (lanes and s != lanes[-1] + 1):
+                continue
+            lanes.append(s)
+            if len(lanes) > n_ubatch:
+                break
+        per: list[list[int]] = [[] for _ in lanes]
+        while all(taken[s] < len(rows_of[s]) for s in lanes):
+            for k, s in enumerate(lanes):
+                i = rows_of[s][taken[s]]
+                per[k].append(i)
+                used[i] = True
+                taken[s] += 1
+                left -= 1
+            if (len(per[0]) + 1) * len(lanes) > n_ubatch:
+                break
+        out.append([i for rows in per for i in rows])
     return out
