@@ -3,7 +3,8 @@
 from . import kernels
 from .batch import DecodeStatus, OutputMode, Segment
 from .grammar import LlamaGrammars, SamplerError
-from .model import Engine, EngineConfig, EngineError
+from .load import EngineConfig, EngineError
+from .model import Engine
 from .sampling import Sampler
 
 __all__ = [

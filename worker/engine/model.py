@@ -6,26 +6,8 @@ talks to ``Engine``: tokenize, ``decode(segments)`` (one ``llama_decode``),
 row), and the per-sequence memory ops the runtime needs (``pos_max``,
 ``seq_rm``, ``seq_clear``, ``state_get`` / ``state_set``).
 
-Choices that matter:
-- ``swa_full=True``: Gemma 3 uses sliding-window attention; a windowed cache
-  forgets old cells, which would make ``trim`` to an early position
-  impossible to re-decode exactly. The full cache costs little at 270M.
-- ``batch_invariant`` (the default): skiff builds llama.cpp with a small
-  patch (``scripts/llama_patch.py``) whose switches, set by ``kernels`` for
-  the CPU variant loaded, send every row through kernels that compute it as
-  if alone. Upstream a tiled K-quant matmul takes 8+ rows and flash
-  attention splits a lone row's KV across threads past 512 cells and tiles
-  64+ rows: a row's logits then depended on the batch around it, the
-  chunking of its prompt, the thread count and (past the sliding window) on
-  how many cells its cache held, so a migrated session drifted. ggml reads
-  the switches once per process, so the mode cannot change afterwards.
-- ``use_extra_bufts=False`` (``--repack 0``, the default): the CPU "extra
-  buffer types" repack weights for GEMM kernels that switch on with batch
-  size; off, for the same reason (and the AMX repack faults on this CPU).
-- ``kv_unified`` only when lanes may use more than an equal share of the
-  cells; otherwise each lane owns exactly ``n_ctx / lanes`` cells.
-- ``page_on_demand`` (stages): llama.cpp faults the whole file in at load;
-  ``pages.release`` lets go of it so a stage holds only the pages it reads.
+Loading (the backend, the model file, the context and the choices made
+there) is ``load.py``'s; an ``Engine`` holds the handles it opens.
 """
 
 from __future__ import annotations
@@ -33,107 +15,41 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as ll
 import numpy as np
 
-from . import kernels, pages
+from . import kernels
 from .batch import Batch, DecodeStatus, Segment
+from .load import EngineConfig, EngineError, open_context
 from .seqstate import FORMAT as STATE_FORMAT
 from .seqstate import FileDigest, restream
-from .tap import LayerTap, TapError, in_batch_order, ubatch_rows
-
-
-def _ensure_backend(batch_invariant: bool, rule: kernels.KernelRule | None = None) -> None:
-    cpu = kernels.start_backend(batch_invariant, rule)
-    if cpu["batch_invariant"] != batch_invariant:
-        raise EngineError(
-            "batch invariance is fixed once per process; this process already runs with "
-            f"batch_invariant={cpu['batch_invariant']}"
-        )
-
-
-class EngineError(RuntimeError):
-    """llama.cpp refused an operation (load, context, decode)."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_path: str
-    n_ctx: int = 8192
-    n_seq: int = 4
-    n_ctx_per_seq: int = 0  # 0 = n_ctx // n_seq
-    n_batch: int = 512
-    n_ubatch: int = 512
-    n_threads: int = 2
-    repack: bool = False
-    batch_invariant: bool = True  # every row computed as if alone (see the module doc)
-    kernel_rule: kernels.KernelRule | None = None  # None: the loaded CPU level's measured rule
-    swa_full: bool = True  # keep every sliding-window cell (exact trim to any position)
-    kv_unified: bool | None = None  # None: unified only when lanes may exceed an equal share
-    tap_layers: tuple[int, ...] = ()  # capture these layers' outputs (pipeline stages)
-    tap_stop: bool = False  # and stop the graph after the last of them
-    # after loading, keep only the model pages read since (pages.py): a stage
-    page_on_demand: bool = False
+from .tap import TapError, in_batch_order, ubatch_rows
 
 
 class Engine:
     """One loaded model with one context of ``n_seq`` sequences (lanes)."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        _ensure_backend(cfg.batch_invariant, cfg.kernel_rule)
         self.cfg = cfg
-        mparams = ll.llama_model_default_params()
-        mparams.use_extra_bufts = cfg.repack
-        self._model = ll.llama_model_load_from_file(cfg.model_path.encode(), mparams)
-        if not self._model:
-            raise EngineError(f"cannot load model {cfg.model_path}")
+        self._model, self._ctx, self.tap = open_context(cfg)
         self._vocab = ll.llama_model_get_vocab(self._model)
-        per_seq = cfg.n_ctx_per_seq or cfg.n_ctx // cfg.n_seq
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx = cfg.n_ctx
-        cparams.n_batch = cfg.n_batch
-        cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
-        cparams.n_seq_max = cfg.n_seq
-        cparams.n_threads = cfg.n_threads
-        cparams.n_threads_batch = cfg.n_threads
-        cparams.swa_full = cfg.swa_full
-        cparams.kv_unified = (
-            per_seq * cfg.n_seq > cfg.n_ctx if cfg.kv_unified is None else cfg.kv_unified
-        )
-        cparams.no_perf = True
-        if cfg.batch_invariant:
-            # The switches cover flash attention's kernels; without it (what
-            # "auto" could choose) KQ would be an F16 matmul that tinyBLAS
-            # tiles by batch size, so exact rows need it on.
-            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        self.tap: LayerTap | None = None
-        if cfg.tap_layers:
-            self.tap = LayerTap(cfg.tap_layers, cfg.tap_stop)
-            cparams.cb_eval = self.tap.callback
-            cparams.cb_eval_user_data = None
-        self._ctx = ll.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            ll.llama_model_free(self._model)
-            raise EngineError("cannot create llama context")
         self._mem = ll.llama_get_memory(self._ctx)
-        self.released = pages.release(cfg.model_path) if cfg.page_on_demand else 0
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
         self.n_embd = int(ll.llama_model_n_embd(self._model))
         self.n_layer = int(ll.llama_model_n_layer(self._model))
         self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
         self.n_ctx = int(ll.llama_n_ctx(self._ctx))
-        self.n_ctx_per_seq = min(per_seq, int(ll.llama_n_ctx_seq(self._ctx)))
+        self.n_ctx_per_seq = min(cfg.lane_cells, int(ll.llama_n_ctx_seq(self._ctx)))
         self.n_batch = int(ll.llama_n_batch(self._ctx))
         self.n_ubatch = int(ll.llama_n_ubatch(self._ctx))
         self.n_seq = cfg.n_seq
         self.bos = int(ll.llama_vocab_bos(self._vocab))
         self.eos = int(ll.llama_vocab_eos(self._vocab))
-        self.kv_unified = bool(cparams.kv_unified)
+        self.kv_unified = cfg.unified
         self.n_stream = 1 if self.kv_unified else self.n_seq  # KV streams (one per lane)
-        self.swa_full = bool(cparams.swa_full)
+        self.swa_full = cfg.swa_full
         # Sliding window of the model's windowed layers (0 = none). Even with
         # swa_full a lane can lack old windowed cells: a restored sequence
         # state holds only the last window of them (llama_state_seq_set_data).
