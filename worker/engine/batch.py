@@ -41,7 +41,6 @@ class Batch:
 
     def __init__(self, capacity: int, n_seq: int, n_embd: int = 0) -> None:
         self.capacity = capacity
-        self.n_embd = n_embd
         self.raw = ll.llama_batch_init(capacity, n_embd, n_seq)
         self._token: np.ndarray | None = None
         self._embd: np.ndarray | None = None

@@ -33,27 +33,27 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self._model, self._ctx, self.tap = open_context(cfg)
-        self._vocab = ll.llama_model_get_vocab(self._model)
-        self._mem = ll.llama_get_memory(self._ctx)
-        self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
-        self.n_embd = int(ll.llama_model_n_embd(self._model))
-        self.n_layer = int(ll.llama_model_n_layer(self._model))
-        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
-        self.n_ctx = int(ll.llama_n_ctx(self._ctx))
-        self.n_ctx_per_seq = min(cfg.lane_cells, int(ll.llama_n_ctx_seq(self._ctx)))
-        self.n_batch = int(ll.llama_n_batch(self._ctx))
-        self.n_ubatch = int(ll.llama_n_ubatch(self._ctx))
+        self.model_handle, self.ctx_handle, self.tap = open_context(cfg)
+        self.vocab_handle = ll.llama_model_get_vocab(self.model_handle)
+        self._mem = ll.llama_get_memory(self.ctx_handle)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab_handle))
+        self.n_embd = int(ll.llama_model_n_embd(self.model_handle))
+        self.n_layer = int(ll.llama_model_n_layer(self.model_handle))
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self.model_handle))
+        self.n_ctx = int(ll.llama_n_ctx(self.ctx_handle))
+        self.n_ctx_per_seq = min(cfg.lane_cells, int(ll.llama_n_ctx_seq(self.ctx_handle)))
+        self.n_batch = int(ll.llama_n_batch(self.ctx_handle))
+        self.n_ubatch = int(ll.llama_n_ubatch(self.ctx_handle))
         self.n_seq = cfg.n_seq
-        self.bos = int(ll.llama_vocab_bos(self._vocab))
-        self.eos = int(ll.llama_vocab_eos(self._vocab))
+        self.bos = int(ll.llama_vocab_bos(self.vocab_handle))
+        self.eos = int(ll.llama_vocab_eos(self.vocab_handle))
         self.kv_unified = cfg.unified
         self.n_stream = 1 if self.kv_unified else self.n_seq  # KV streams (one per lane)
         self.swa_full = cfg.swa_full
         # Sliding window of the model's windowed layers (0 = none). Even with
         # swa_full a lane can lack old windowed cells: a restored sequence
         # state holds only the last window of them (llama_state_seq_set_data).
-        self.n_swa = int(ll.llama_model_n_swa(self._model))
+        self.n_swa = int(ll.llama_model_n_swa(self.model_handle))
         self._batch = Batch(self.n_batch, self.n_seq)
         self._embd_batch: Batch | None = None  # made on the first embeddings input
         self._last = self._batch  # the batch of the last decode (for output_index)
@@ -62,24 +62,26 @@ class Engine:
         self.timing = {"fill": 0.0, "decode": 0.0}
         # the model file's sha256, hashed once (in the background after prepare())
         self.digest = FileDigest(cfg.model_path)
+        # the CPU variant and ggml features this process computes with (fixed at load)
+        self.cpu = kernels.backend_cpu()
         self._abort_fn: Any = None
         self._piece_cache: dict[int, bytes] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
     def close(self) -> None:
-        if self._ctx:
+        if self.ctx_handle:
             self._batch.free()
             if self._embd_batch is not None:
                 self._embd_batch.free()
-            ll.llama_free(self._ctx)
-            ll.llama_model_free(self._model)
-            self._ctx = None
-            self._model = None
+            ll.llama_free(self.ctx_handle)
+            ll.llama_model_free(self.model_handle)
+            self.ctx_handle = None
+            self.model_handle = None
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
-        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        n = ll.llama_model_meta_val_str(self.model_handle, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
     # -- vocabulary ----------------------------------------------------------
@@ -87,14 +89,14 @@ class Engine:
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
-        raw = text.encode("utf-8")
+        vocab, raw = self.vocab_handle, text.encode("utf-8")
         cap = len(raw) + 8
         buf = (ll.llama_token * cap)()
-        n = ll.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, parse_special)
+        n = ll.llama_tokenize(vocab, raw, len(raw), buf, cap, add_special, parse_special)
         if n < 0:
             cap = -n
             buf = (ll.llama_token * cap)()
-            n = ll.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, parse_special)
+            n = ll.llama_tokenize(vocab, raw, len(raw), buf, cap, add_special, parse_special)
         return list(buf[:n])
 
     def piece(self, token: int) -> bytes:
@@ -103,10 +105,10 @@ class Engine:
         if cached is not None:
             return cached
         buf = ctypes.create_string_buffer(64)
-        n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = ll.llama_token_to_piece(self.vocab_handle, token, buf, len(buf), 0, False)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = ll.llama_token_to_piece(self.vocab_handle, token, buf, len(buf), 0, False)
         out = buf.raw[:n]
         self._piece_cache[token] = out
         return out
@@ -115,7 +117,7 @@ class Engine:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+        return bool(ll.llama_vocab_is_eog(self.vocab_handle, token))
 
     # -- forward -------------------------------------------------------------
 
@@ -138,11 +140,11 @@ class Engine:
                 raise EngineError(
                     f"a non-causal batch of {total} rows exceeds the micro-batch ({self.n_ubatch})"
                 )
-            ll.llama_set_causal_attn(self._ctx, False)
+            ll.llama_set_causal_attn(self.ctx_handle, False)
             try:
                 return self._decode(segments)
             finally:
-                ll.llama_set_causal_attn(self._ctx, True)
+                ll.llama_set_causal_attn(self.ctx_handle, True)
         return self._decode(segments)
 
     def _decode(self, segments: Sequence[Segment]) -> DecodeStatus:
@@ -158,7 +160,7 @@ class Engine:
         if self.tap is not None:
             self.tap.reset()
         t1 = time.perf_counter()
-        status = int(ll.llama_decode(self._ctx, batch.raw))
+        status = int(ll.llama_decode(self.ctx_handle, batch.raw))
         timing = self.timing
         timing["fill"] += t1 - t0
         timing["decode"] += time.perf_counter() - t1
@@ -182,13 +184,13 @@ class Engine:
         is switched on only for the forwards that want hidden states.
         """
         if on != self._hidden:
-            ll.llama_set_embeddings(self._ctx, on)
+            ll.llama_set_embeddings(self.ctx_handle, on)
             self._hidden = on
 
     def hidden_row(self, batch_index: int) -> np.ndarray:
         """Zero-copy view of one row's final hidden state (after the output
         norm, before the output head); valid until the next decode."""
-        ptr = ll.llama_get_embeddings_ith(self._ctx, batch_index)
+        ptr = ll.llama_get_embeddings_ith(self.ctx_handle, batch_index)
         if not ptr:
             raise EngineError(f"no hidden state for batch row {batch_index}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_embd,))
@@ -199,7 +201,7 @@ class Engine:
 
     def logits_row(self, batch_index: int) -> np.ndarray:
         """Zero-copy view of one output row; valid until the next decode."""
-        ptr = ll.llama_get_logits_ith(self._ctx, batch_index)
+        ptr = ll.llama_get_logits_ith(self.ctx_handle, batch_index)
         if not ptr:
             raise EngineError(f"no logits for batch row {batch_index}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
@@ -212,14 +214,14 @@ class Engine:
         """Install (or remove) a check llama.cpp polls during compute."""
         if fn is None:
             self._abort_fn = None
-            ll.llama_set_abort_callback(self._ctx, ll.ggml_abort_callback(), None)
+            ll.llama_set_abort_callback(self.ctx_handle, ll.ggml_abort_callback(), None)
             return
 
         def _cb(_data: Any) -> bool:
             return bool(fn())
 
         self._abort_fn = ll.ggml_abort_callback(_cb)
-        ll.llama_set_abort_callback(self._ctx, self._abort_fn, None)
+        ll.llama_set_abort_callback(self.ctx_handle, self._abort_fn, None)
 
     # -- memory --------------------------------------------------------------
 
@@ -240,10 +242,10 @@ class Engine:
     def state_get(self, seq: int) -> np.ndarray:
         """One sequence's KV state, written by llama.cpp straight into a new
         uint8 array (the array is what travels; no further copy)."""
-        size = int(ll.llama_state_seq_get_size(self._ctx, seq))
+        size = int(ll.llama_state_seq_get_size(self.ctx_handle, seq))
         out = np.empty(size, dtype=np.uint8)
         ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = int(ll.llama_state_seq_get_data(self._ctx, ptr, size, seq))
+        n = int(ll.llama_state_seq_get_data(self.ctx_handle, ptr, size, seq))
         if n <= 0:
             raise EngineError(f"llama.cpp could not save lane {seq}")
         return out[:n]
@@ -261,7 +263,7 @@ class Engine:
         except ValueError as exc:
             raise EngineError(str(exc)) from None
         ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        return int(ll.llama_state_seq_set_data(self._ctx, ptr, arr.nbytes, seq)) > 0
+        return int(ll.llama_state_seq_set_data(self.ctx_handle, ptr, arr.nbytes, seq)) > 0
 
     def identity(self) -> dict[str, Any]:
         """What a saved KV state is only valid with: the model file's sha256
@@ -277,18 +279,9 @@ class Engine:
             "kv_type_k": "f16",
             "kv_type_v": "f16",
             "state_format": STATE_FORMAT,
-            "batch_invariant": self.batch_invariant,
+            "batch_invariant": self.cpu["batch_invariant"],
             "cpu_kernels": f"{self.cpu['level']}: {' '.join(self.cpu['features'])}",
         }
-
-    @property
-    def batch_invariant(self) -> bool:
-        return bool(kernels.backend_cpu()["batch_invariant"])
-
-    @property
-    def cpu(self) -> dict[str, Any]:
-        """The CPU variant and ggml features this process computes with."""
-        return kernels.backend_cpu()
 
     def layout(self) -> dict[str, Any]:
         """This context's cache layout (informative: a state loads across
@@ -299,17 +292,3 @@ class Engine:
             "swa_full": self.swa_full,
             "kv_unified": self.kv_unified,
         }
-
-    # -- handles for the sampler module ---------------------------------------
-
-    @property
-    def ctx_handle(self) -> Any:
-        return self._ctx
-
-    @property
-    def vocab_handle(self) -> Any:
-        return self._vocab
-
-    @property
-    def model_handle(self) -> Any:
-        return self._model
