@@ -1,10 +1,9 @@
 """The only package that imports ``llama_cpp``; see ``model.Engine``."""
 
 from . import kernels
-from .batch import DecodeStatus, OutputMode, Segment
 from .grammar import LlamaGrammars, SamplerError
 from .load import EngineConfig, EngineError
-from .model import Engine
+from .model import DecodeStatus, Engine, OutputMode, Segment
 from .sampling import Sampler
 
 __all__ = [
