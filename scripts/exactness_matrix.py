@@ -250,9 +250,9 @@ def main() -> None:
             # host lacks its instructions, and the (sound) model cannot load.
             unsupported = "cannot run" in str(exc) or "cannot load model" in str(exc)
             sys.exit(3 if unsupported else 1)
-        from worker.engine.model import _backend
+        from worker.engine import kernels
 
-        out = {"claims": worst, "cpu": _backend["cpu"], "seconds": time.monotonic() - t0}
+        out = {"claims": worst, "cpu": kernels.backend_cpu(), "seconds": time.monotonic() - t0}
         print(json.dumps(out))
         return
     from worker.models import cache_dir
