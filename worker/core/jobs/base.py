@@ -276,26 +276,6 @@ class Job:
                     rt.drop(sid)
 
 
-def tensors_of(
-    rt: RuntimeState, results: Sequence[StepResult], positions: list[int], sequences: int = 1
-) -> Tensors | None:
-    """The captured rows of ``results`` (in order) as one output's tensors."""
-    return tensors_of_rows(results, positions, rt.n_layer, sequences)
-
-
-def tensors_of_rows(
-    results: Sequence[StepResult], positions: list[int], n_layer: int, sequences: int = 1
-) -> Tensors | None:
-    parts: dict[str, np.ndarray] = {}
-    for name in ("hidden", "logits"):
-        rows = [getattr(r, name) for r in results if getattr(r, name) is not None]
-        if rows:
-            parts[name] = rows[0] if len(rows) == 1 else np.concatenate(rows)
-    if not parts:
-        return None
-    return Tensors(parts, positions, sequences, 0, n_layer)
-
-
 # The smallest piece a turn cuts from a prompt (less is not worth a row).
 MIN_CUT = 16
 

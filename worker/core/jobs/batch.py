@@ -3,9 +3,9 @@
 ``decode_batch`` and ``iteration_batch`` name many sessions at once; every
 entry is admitted and checked before anything runs, and the whole batch goes
 into one forward (``PHASE_ATOMIC``) or waits for a turn with room for all of
-it. Kept apart from ``jobs.py`` (the ``Job`` base and the single-session jobs:
-prefill, decode, session ops, verify) because its admission and its reply
-span many sessions, which no other job's do.
+it. Kept apart from ``session.py`` (the single-session jobs: prefill,
+decode, session ops, verify) because its admission and its reply span many
+sessions, which no other job's do.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from faults import BadRequest, ContextOverflow, LanesBusy
 
 from ...runtime import RuntimeState, Session, Step, StepResult
 from ...spec import SamplerSpec
-from .base import PHASE_ATOMIC, Job, Ticket, tensors_of
+from .base import PHASE_ATOMIC, Job, Ticket
+from .session import tensors_of
 
 
 class BatchEntry:

@@ -43,8 +43,8 @@ from .base import (
     Job,
     Ticket,
     chunk_bounds,
-    tensors_of_rows,
 )
+from .session import tensors_of_rows
 
 
 class GenerateJob(Job):

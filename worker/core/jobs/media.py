@@ -28,8 +28,9 @@ from ...limits import check
 from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
 from ...spec import SamplerSpec
 from ..media_feed import MediaFeed, MediaPrompt, feed_for
-from .base import PHASE_PREFILL, Job, Ticket, tensors_of
+from .base import PHASE_PREFILL, Job, Ticket
 from .generate import GenerateJob
+from .session import tensors_of
 
 
 def _admission(rt: RuntimeState, sid: SessionId) -> tuple[Session | None, list[int]]:

@@ -7,12 +7,15 @@ keeps the accepted prefix; ``SessionOpJob`` is trim / align / drop /
 signal: instant, but in order with the session's other work (on a pipeline
 stage it replies once the rest of the chain has answered, without holding
 the loop); ``InfoJob`` is ``info`` on a stage with a next stage.
+``tensors_of`` makes a job's captured rows its reply's tensors (for the
+batch, media and generate jobs too: they import this module, never the
+reverse).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,9 +30,9 @@ from .base import (
     PHASE_ATOMIC,
     PHASE_PREFILL,
     Job,
+    Tensors,
     Ticket,
     chunk_bounds,
-    tensors_of,
 )
 
 # Tokens a verify job feeds per step once its draft is settled.
@@ -322,3 +325,26 @@ class VerifyJob(Job):
             if not greedy and (i == len(drafts) or token != drafts[i]):
                 self.settled = True
                 return
+
+
+# -- captured rows as a reply's tensors (these jobs, batch, media, generate) ----
+
+
+def tensors_of(
+    rt: RuntimeState, results: Sequence[StepResult], positions: list[int], sequences: int = 1
+) -> Tensors | None:
+    """The captured rows of ``results`` (in order) as one output's tensors."""
+    return tensors_of_rows(results, positions, rt.n_layer, sequences)
+
+
+def tensors_of_rows(
+    results: Sequence[StepResult], positions: list[int], n_layer: int, sequences: int = 1
+) -> Tensors | None:
+    parts: dict[str, np.ndarray] = {}
+    for name in ("hidden", "logits"):
+        rows = [getattr(r, name) for r in results if getattr(r, name) is not None]
+        if rows:
+            parts[name] = rows[0] if len(rows) == 1 else np.concatenate(rows)
+    if not parts:
+        return None
+    return Tensors(parts, positions, sequences, 0, n_layer)
