@@ -1,9 +1,9 @@
 """Limits on everything a peer controls, without a worker: each has a flag, an
 env twin and a default, unusable ones stop the worker at startup, each
 validator holds its limit with ``limit_exceeded`` naming field, limit and
-flag, and the per-peer counting (``worker/peers.py``) holds sessions and
-generations per peer on the scheduler's fakes (``_scheduler_fakes``). The
-same limits end to end: test_limits_socket.py.
+flag, and the per-peer counting (``PeerLimits`` in ``worker/core/jobs/base.py``)
+holds sessions and generations per peer on the scheduler's fakes
+(``_scheduler_fakes``). The same limits end to end: test_limits_socket.py.
 """
 
 from __future__ import annotations

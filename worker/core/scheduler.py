@@ -51,9 +51,8 @@ from structlog import get_logger
 from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
 
 from ..runtime import RuntimeState, SessionId, Step
-from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job
+from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job, PeerLimits
 from .outcomes import Outcomes, SchedulerStats
-from .peers import PeerLimits
 
 _log = get_logger("skiff.scheduler")
 PREFILL_AGE_S = 2.0  # a prompt waiting this long goes first, whatever its length
