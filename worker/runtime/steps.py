@@ -51,14 +51,6 @@ class RowRule:
     stop_tokens: tuple[int, ...] = ()
     stop_eog: bool = False
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "checks": list(self.checks),
-            "until_mismatch": self.until_mismatch,
-            "stop_tokens": list(self.stop_tokens),
-            "stop_eog": self.stop_eog,
-        }
-
 
 def accept(
     drafts: Sequence[int],

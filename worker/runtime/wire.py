@@ -64,7 +64,7 @@ def step_out(step: TailStep) -> dict[str, Any]:
     if step.all_rows:
         out["all_rows"] = True
     if step.rule is not None:
-        out["rule"] = step.rule.to_wire()
+        out["rule"] = rule_out(step.rule)
     if step.origin is not None:
         out["origin"] = origin_out(step.origin)
     if step.non_causal:
@@ -77,9 +77,19 @@ def origin_out(origin: Origin) -> list[Any]:
     return [origin.peer.hex(), origin.request, origin.index, origin.count]
 
 
+def rule_out(rule: RowRule) -> dict[str, Any]:
+    """A scored span's ``RowRule``; ``api/tensors.py`` reads it back."""
+    return {
+        "checks": list(rule.checks),
+        "until_mismatch": rule.until_mismatch,
+        "stop_tokens": list(rule.stop_tokens),
+        "stop_eog": rule.stop_eog,
+    }
+
+
 def rule_fields() -> frozenset[str]:
-    """The keys of a step's ``rule`` (``RowRule.to_wire``)."""
-    return frozenset(RowRule(()).to_wire())
+    """The keys of a step's ``rule`` (``rule_out``)."""
+    return frozenset(rule_out(RowRule(())))
 
 
 def result_out(result: StepResult, parts: dict[str, list[np.ndarray]]) -> dict[str, Any]:
