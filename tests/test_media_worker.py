@@ -29,7 +29,7 @@ from media_images import TOKENS_PER_IMAGE, make_mmproj, png, rgb
 from conftest import WAIT_S, start_chain, start_worker, stop_worker, tidy_client, wait_until
 from protocol import Client
 from worker.core.chat import FALLBACK_TEMPLATE, ChatTemplate
-from worker.core.speculative import lookup_draft
+from worker.runtime.steps import NgramIndex
 
 MAX_PIXELS = 4096  # --max-image-pixels of the media worker (64 x 64)
 
@@ -264,11 +264,11 @@ def test_media_positions_have_no_token_id(mc: Client, marker: str) -> None:
     assert mc.call("generate", "m", gen).result["finish_reason"] in ("length", "stop")
 
 
-def test_lookup_draft_skips_positions_without_tokens() -> None:
-    assert lookup_draft([3, -1, -1, 4, 3], ngram=1, max_draft=3) == []
-    assert lookup_draft([3, 5, -1, 4, 3], ngram=1, max_draft=3) == [5]
-    assert lookup_draft([7, -1, 7, -1], ngram=1, max_draft=3) == []
-    assert lookup_draft([1, 2, 9, 1, 2], ngram=2, max_draft=2) == [9, 1]
+def test_prompt_lookup_skips_positions_without_tokens() -> None:
+    assert NgramIndex(1).draft([3, -1, -1, 4, 3], max_draft=3) == []
+    assert NgramIndex(1).draft([3, 5, -1, 4, 3], max_draft=3) == [5]
+    assert NgramIndex(1).draft([7, -1, 7, -1], max_draft=3) == []
+    assert NgramIndex(2).draft([1, 2, 9, 1, 2], max_draft=2) == [9, 1]
 
 
 def test_startup_log_names_the_projector(media_worker: tuple[str, Path]) -> None:

@@ -15,8 +15,8 @@ from worker.api import generate, tensors
 from worker.api.app import App
 from worker.api.requests import Generation, Speculation
 from worker.api.validate import Context
-from worker.core.speculative import PromptLookup
 from worker.limits import Limits
+from worker.runtime.steps import PromptLookup
 
 
 def _app() -> App:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from conftest import start_worker, stop_worker
 from protocol import Client, SkiffError
-from worker.core.speculative import NgramIndex, PromptLookup, accept, lookup_draft
 from worker.runtime import Session
+from worker.runtime.steps import NgramIndex, PromptLookup, accept
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 PROMPT = f"Python code:\n{CODE}\nThe same code again:\n"
@@ -21,12 +21,34 @@ LOOKUP = {"mode": "prompt_lookup", "max_draft": 8, "ngram": 3}
 OFF = {"mode": "off"}
 
 
-def test_lookup_draft_proposes_what_followed_the_last_ngram() -> None:
+def lookup_draft(history: Sequence[int], ngram: int, max_draft: int) -> list[int]:
+    """Prompt lookup by a full rescan: what ``NgramIndex`` must draft.
+
+    The tokens that followed the latest earlier match of the last n-gram;
+    negative ids (positions without a token) neither match nor are drafted.
+    """
+    n = len(history)
+    if max_draft <= 0 or n <= ngram:
+        return []
+    key = list(history[n - ngram :])
+    if min(key) < 0:
+        return []
+    for start in range(n - ngram - 1, -1, -1):
+        if list(history[start : start + ngram]) == key:
+            follow = list(history[start + ngram : start + ngram + max_draft])
+            cut = next((i for i, t in enumerate(follow) if t < 0), len(follow))
+            return follow[:cut]
+    return []
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_ngram() -> None:
     history = [1, 2, 3, 4, 5, 9, 1, 2, 3]
-    assert lookup_draft(history, 3, 8) == [4, 5, 9, 1, 2, 3]
-    assert lookup_draft(history, 3, 2) == [4, 5]
-    assert lookup_draft([1, 2, 3], 3, 4) == []
-    assert lookup_draft([7, 8, 7, 8], 2, 4) == [7, 8]
+    for ngram, max_draft, want in ((3, 8, [4, 5, 9, 1, 2, 3]), (3, 2, [4, 5])):
+        assert lookup_draft(history, ngram, max_draft) == want
+        assert NgramIndex(ngram).draft(history, max_draft) == want
+    for history, ngram, want in (([1, 2, 3], 3, []), ([7, 8, 7, 8], 2, [7, 8])):
+        assert lookup_draft(history, ngram, 4) == want
+        assert NgramIndex(ngram).draft(history, 4) == want
 
 
 # A history that grows by a few tokens and loses a few (rejected drafts) per call.

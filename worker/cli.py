@@ -16,12 +16,12 @@ from protocol.sockets import SocketOptions
 
 from . import config
 from .chain.setup import StagePlan, plan_stage
-from .core.speculative import DraftModel
 from .engine import Engine, EngineConfig
 from .engine.media import Projector
 from .metrics import WorkerMetrics
 from .models import resolve_model
 from .runtime import DraftRuntime
+from .runtime.draft import DraftModel
 from .service import LlmService
 
 # OpenMP threads must not spin long after a forward or at a barrier: a

@@ -40,7 +40,6 @@ from .core.jobs.base import MAX_SPAN_ROWS, Event, Failure, Job, Outbox, Output, 
 from .core.jobs.generate import GenerateJob
 from .core.jobs.media import MediaGenerateJob
 from .core.scheduler import Scheduler, SchedulerConfig
-from .core.speculative import AUTO_MAX_DRAFT, AUTO_NGRAM, Drafter, DraftModel, PromptLookup
 from .describe import worker_info, worker_stats
 from .engine import Engine, LlamaGrammars
 from .engine.media import Projector
@@ -49,7 +48,9 @@ from .limits import exceeded
 from .models import resolve_model
 from .profile import Profile
 from .runtime import Ephemeral, RuntimeState, SessionId
+from .runtime.draft import DraftModel
 from .runtime.park import Park
+from .runtime.steps import AUTO_MAX_DRAFT, AUTO_NGRAM, Drafter, PromptLookup
 from .slice.ggufmeta import tied_head
 from .spec import GrammarChecker
 

@@ -19,11 +19,11 @@ from ..config import WorkerConfig
 from ..core.chat import ChatTemplate
 from ..core.jobs.base import Job, Ticket
 from ..core.scheduler import Scheduler
-from ..core.speculative import DraftModel
 from ..engine import Engine
 from ..engine.media import Projector
 from ..limits import Limits
 from ..runtime import RuntimeState
+from ..runtime.draft import DraftModel
 from ..spec import GrammarChecker, SamplerSpec
 from .sampling import get_sampling
 from .validate import Context, get_prompt_tokens

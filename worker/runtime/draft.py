@@ -10,13 +10,20 @@ greedily one token at a time.
 
 A draft is only advice: the target verifies every token, so any failure
 here clears the lane and yields no draft rather than an error.
+
+``DraftModel`` is the drafter a generation holds (a ``steps.Drafter``, as
+prompt lookup is): the worker's one ``DraftRuntime`` with a request's
+``max_draft``. It proposes nothing for a session holding media or input
+embeddings, which the draft model never saw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..engine import Engine, Segment
+from .lanes import Session
 
 
 class DraftRuntime:
@@ -64,3 +71,26 @@ class DraftRuntime:
 
     def close(self) -> None:
         self.engine.close()
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """Greedy drafts from the draft runtime (a second, smaller model)."""
+
+    runtime: DraftRuntime
+    max_draft: int = 8
+
+    @property
+    def path(self) -> str:
+        return self.runtime.path
+
+    def with_max(self, max_draft: int) -> DraftModel:
+        return DraftModel(self.runtime, max_draft)
+
+    def draft(self, session: Session, next_token: int, limit: int, streams: int = 1) -> list[int]:
+        if session.tokens and min(session.tokens) < 0:
+            # The draft model never saw the session's media (or embeddings
+            # input): it has nothing sound to propose, and -1 is no token.
+            return []
+        k = min(self.max_draft, limit)
+        return self.runtime.draft(session.lane, [*session.tokens, next_token], k)

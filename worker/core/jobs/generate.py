@@ -31,9 +31,8 @@ from faults import BadRequest
 
 from ...limits import check
 from ...runtime import RuntimeState, Session, SessionId, Step, StepResult
-from ...runtime.steps import RowRule
+from ...runtime.steps import Drafter, RowRule
 from ...spec import SamplerSpec
-from ..speculative import Drafter
 from ..suspend import Resume, moved_name
 from .base import (
     MAX_LOGIT_ROWS,
