@@ -47,7 +47,7 @@ from faults import (
     code_of,
 )
 from protocol import sockets, transport
-from protocol.envelope import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
+from protocol.transport import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
 
 from . import logs, memory, zap
 from .service import Outgoing, Request, Service

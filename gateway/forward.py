@@ -26,7 +26,7 @@ from typing import Any
 
 from edge import Request
 from faults import DeadlineExceeded, LimitExceeded, WorkerUnavailable
-from protocol.envelope import VERSION
+from protocol.transport import VERSION
 
 from .affinity import AffinityTable
 from .ledger import Ledger

@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from edge.metrics import EdgeMetrics
-from protocol.envelope import Op
+from protocol.transport import Op
 
 from .host import Host
 from .pool import LLM, SPEECH, WorkerConn

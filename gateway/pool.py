@@ -54,8 +54,8 @@ import zmq
 from edge import logs
 from faults import Fault, WorkerUnavailable
 from protocol import sockets, transport
-from protocol.envelope import error_reply
 from protocol.peer import DealerPeer, NotSent
+from protocol.transport import error_reply
 
 from .router import Candidate
 

@@ -20,7 +20,7 @@ import zmq
 
 from edge import Outgoing, Request, logs
 from faults import ErrorCode
-from protocol.envelope import error_reply
+from protocol.transport import error_reply
 
 from .affinity import AffinityTable
 from .drain import Drainer

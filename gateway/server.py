@@ -30,7 +30,7 @@ import zmq
 
 from edge import EdgeServer, Handler, Outgoing, Request, failure_header, logs
 from faults import BadRequest, Cancelled, Fault
-from protocol.envelope import ok_reply
+from protocol.transport import ok_reply
 
 from .affinity import AffinityTable
 from .config import GatewayConfig

@@ -1,8 +1,8 @@
-"""skiff wire protocol: envelope, codec, tensor frames and clients."""
+"""skiff wire protocol: envelope and transport, tensor frames and clients."""
 
 from .async_client import AsyncClient
 from .client import Client
-from .envelope import VERSION, ErrorCode, Op
 from .reply import Reply, SkiffError
+from .transport import VERSION, ErrorCode, Op
 
 __all__ = ["VERSION", "AsyncClient", "Client", "ErrorCode", "Op", "Reply", "SkiffError"]

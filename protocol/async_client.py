@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import envelope, sockets
+from . import sockets, transport
 from .client import _Ops
 from .reply import Extract, Reply, SkiffError, client_options, parse_reply, request_frames
 
@@ -76,7 +76,7 @@ class AsyncClient(_Ops):
         req_id = next(self._ids)
         queue: asyncio.Queue[Reply] = asyncio.Queue()
         self._queues[req_id] = queue
-        header = envelope.request(req_id, op, session, args, deadline_ms)
+        header = transport.request(req_id, op, session, args, deadline_ms)
         self._sock.send_multipart(request_frames(header, buffers), copy=False)
         return req_id, queue
 

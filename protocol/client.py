@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import envelope, frames, sockets
+from . import frames, sockets, transport
 from .reply import (
     Extract,
     Reply,
@@ -252,7 +252,7 @@ class Client(_Ops):
         server refused the handshake (libzmq does not retry that), and a
         plain send would then block forever."""
         req_id = next(self._ids)
-        frames = request_frames(envelope.request(req_id, op, session, args, deadline_ms), buffers)
+        frames = request_frames(transport.request(req_id, op, session, args, deadline_ms), buffers)
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:

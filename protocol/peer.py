@@ -47,7 +47,6 @@ from zmq.utils.monitor import recv_monitor_message
 from faults import DeadlineExceeded, Fault
 
 from . import sockets, transport
-from .envelope import request
 
 # Plain ints: combining zmq's enum flags per message costs a microsecond or two.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -177,7 +176,7 @@ class DealerPeer:
         """Send a request nobody waits for (its reply is dropped); its id.
         Raises ``NotSent`` when the socket refuses it."""
         req_id = self.next_id() if req_id is None else req_id
-        reason = self.send(transport.encode(request(req_id, op, session, args)), buffers)
+        reason = self.send(transport.encode(transport.request(req_id, op, session, args)), buffers)
         if reason is not None:
             raise NotSent(req_id, reason)
         return req_id

@@ -12,14 +12,14 @@ import zmq
 
 from faults import Fault
 
-from . import envelope, frames, sockets, transport
+from . import frames, sockets, transport
 
 
 class SkiffError(Exception):
     """An error reply from a worker, or a client-side failure (``timeout``).
 
     ``code`` is the wire code (a string to branch on); ``fault`` is the reply's
-    typed class from ``envelope.fault_of`` (``except`` on it, or ``isinstance``
+    typed class from ``transport.fault_of`` (``except`` on it, or ``isinstance``
     against ``faults``), None for the client's own failures."""
 
     def __init__(
@@ -37,7 +37,7 @@ class SkiffError(Exception):
 
     @classmethod
     def of(cls, fault: Fault) -> SkiffError:
-        return cls(envelope.wire_code(fault), fault.message, fault.retry_after_ms, fault)
+        return cls(transport.wire_code(fault), fault.message, fault.retry_after_ms, fault)
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Reply:
 
     def raise_for_error(self) -> Reply:
         if not self.header.get("ok", False):
-            raise SkiffError.of(envelope.fault_of(self.header))
+            raise SkiffError.of(transport.fault_of(self.header))
         return self
 
 

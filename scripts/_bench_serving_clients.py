@@ -40,7 +40,7 @@ PINGER = r"""
 import itertools, json, sys, threading, time
 sys.path.insert(0, sys.argv[3])
 import zmq
-from protocol import transport, envelope
+from protocol import transport
 ep, interval = sys.argv[1], float(sys.argv[2])
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
@@ -51,7 +51,7 @@ ids = itertools.count(1)
 def once():
     rid = next(ids)
     t = time.perf_counter()
-    sock.send(transport.encode(envelope.request(rid, "ping")))
+    sock.send(transport.encode(transport.request(rid, "ping")))
     while sock.poll(max(0, int(10000 - (time.perf_counter() - t) * 1e3))):
         if transport.decode(sock.recv_multipart()[0]).get("id") == rid:  # skip late replies
             return time.perf_counter() - t

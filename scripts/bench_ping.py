@@ -24,7 +24,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from protocol import Client, envelope, transport  # noqa: E402
+from protocol import Client, transport  # noqa: E402
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -37,7 +37,7 @@ def time_pings(endpoint: str, n: int) -> list[float]:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
-    frame = transport.encode(envelope.request(1, "ping"))
+    frame = transport.encode(transport.request(1, "ping"))
     for _ in range(200):  # warm-up
         sock.send(frame)
         sock.recv_multipart()

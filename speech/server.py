@@ -37,7 +37,7 @@ from structlog import get_logger
 from edge import Handler, Outgoing, Request, failure_header, logs
 from edge import process as process_stats
 from faults import BadRequest, Cancelled, Fault, LimitExceeded, QueueFull
-from protocol.envelope import Op, event_reply, ok_reply
+from protocol.transport import Op, event_reply, ok_reply
 
 from . import FORMATS, audio
 from .engine import MAX_CHUNK_CHARS, MAX_SPEED, MIN_SPEED, Engine, split_sentences

@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from protocol import envelope, transport
+from protocol import transport
 
 
 def test_header_round_trip() -> None:
-    header = envelope.request(7, "decode", "s1", {"token": 5}, deadline_ms=100)
+    header = transport.request(7, "decode", "s1", {"token": 5}, deadline_ms=100)
     assert transport.decode(transport.encode(header)) == header
 
 
@@ -26,7 +26,7 @@ def test_oversized_header_is_refused_before_parsing() -> None:
 
 
 def test_error_reply_shape() -> None:
-    reply = envelope.error_reply(3, envelope.ErrorCode.QUEUE_FULL, "full", retry_after_ms=50)
+    reply = transport.error_reply(3, transport.ErrorCode.QUEUE_FULL, "full", retry_after_ms=50)
     assert reply == {
         "v": 1,
         "id": 3,

@@ -23,8 +23,8 @@ import pytest
 import zmq
 
 from conftest import WAIT_S, start_worker, stop_worker, wait_until
-from protocol import Client, SkiffError, envelope
-from protocol.transport import encode
+from protocol import Client, SkiffError
+from protocol.transport import encode, request
 
 ARGS = (
     *("--lanes", "4", "--ctx", "1024", "--ctx-per-lane", "512"),
@@ -115,7 +115,7 @@ def test_a_client_that_never_reads_is_cut_off_and_others_go_on(worker: Any) -> N
     sleeper.connect(ep)
     # every event carries a 1 MiB logits row: unbounded, 400 of them would be 400 MiB
     args = {**LONG, "max_tokens": 400, "stream": True, "output": ["logits"]}
-    sleeper.send(encode(envelope.request(1, "generate", None, args)))
+    sleeper.send(encode(request(1, "generate", None, args)))
     other: dict[str, Any] = {}
     _stream(ep, {**LONG, "max_tokens": 24}, other)
     assert "error" not in other and other["last"]["finish_reason"] == "length"

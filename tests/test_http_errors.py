@@ -20,7 +20,7 @@ from conftest import WAIT_S, FakeUpstream, wait_until
 from gateway.openai.errors import ApiError, from_fault
 from gateway.openai.http import HttpFront
 from gateway.openai.shapes import plan_chat, plan_completion
-from protocol.envelope import error_reply, fault_of
+from protocol.transport import error_reply, fault_of
 
 # -- errors from a scripted upstream ---------------------------------------------------------
 

@@ -223,7 +223,7 @@ def test_every_op_has_one_handler() -> None:
 
     with pytest.raises(ValueError, match="defined twice"):
         join({"a": OPS["ping"]}, {"a": OPS["info"]})
-    from protocol.envelope import Op
+    from protocol.transport import Op
 
     # a generation is read into a ``Generation`` (the service builds its job)
     # and is no other family's op

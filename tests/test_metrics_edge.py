@@ -18,7 +18,7 @@ from conftest import WAIT_S
 from edge import EdgeConfig, EdgeServer, Outgoing, Request
 from edge.metrics import EdgeMetrics, new_registry, serve, start
 from protocol import Client, SkiffError, transport
-from protocol.envelope import error_reply, event_reply, ok_reply
+from protocol.transport import error_reply, event_reply, ok_reply
 
 # -- EdgeMetrics alone ----------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """``protocol.peer.DealerPeer`` over real loopback TCP: replies routed by id,
 a deadline failing its one request, a lost peer failing all of them, and the
-one reader of an error reply (``envelope.fault_of``).
+one reader of an error reply (``transport.fault_of``).
 
 The peer's owners (a stage's link, the gateway's pool, the HTTP front's
 upstream) each rely on these; here a bare ROUTER plays the other side, so
@@ -20,9 +20,9 @@ import zmq
 from conftest import WAIT_S, wait_until
 from faults import DeadlineExceeded, Fault, QueueFull, StageUnavailable, WorkerUnavailable
 from protocol import transport
-from protocol.envelope import ForeignFault, error_reply, event_reply, fault_of, ok_reply, wire_code
 from protocol.peer import DealerPeer, NotSent
 from protocol.sockets import SocketOptions
+from protocol.transport import ForeignFault, error_reply, event_reply, fault_of, ok_reply, wire_code
 
 WAIT_MS = int(WAIT_S * 1000)
 

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from conftest import WAIT_S, start_worker, stop_worker, wait_until
-from protocol import Client, SkiffError, envelope, transport
+from protocol import Client, SkiffError, transport
 
 PROMPT = "The history of the Roman Empire"
 WAIT_MS = int(WAIT_S * 1000)
@@ -149,7 +149,7 @@ def test_concurrent_decodes_from_two_peers_share_a_forward(worker: tuple[str, Pa
             b.prefill("cb", [2, 11])
             gen = {"prompt": " and", "max_tokens": ENDLESS, "ignore_eos": True}
             for rid, session in ((1, "ca"), (2, "cb")):
-                busy.send(transport.encode(envelope.request(rid, "generate", session, gen)))
+                busy.send(transport.encode(transport.request(rid, "generate", session, gen)))
             streaming: set[int] = set()
 
             def read_busy() -> set[int]:  # the busy peer keeps reading its events
@@ -297,7 +297,7 @@ def test_vanished_peer_frees_its_lane(small: tuple[str, int]) -> None:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(small[0])
-    header = envelope.request(
+    header = transport.request(
         1, "generate", None, {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
     )
     sock.send(transport.encode(header))
@@ -316,7 +316,7 @@ def test_flood_of_1000_clients_keeps_memory_flat(small: tuple[str, int]) -> None
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 4096)
     frame = transport.encode(
-        envelope.request(1, "generate", None, {"prompt": "Hi", "max_tokens": 1})
+        transport.request(1, "generate", None, {"prompt": "Hi", "max_tokens": 1})
     )
 
     def flood() -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from edge import process as process_stats
-from protocol.envelope import VERSION
+from protocol.transport import VERSION
 
 from .chain.link import StageLink
 from .chain.setup import StagePlan

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from edge import Outgoing
-from protocol.envelope import VERSION
+from protocol.transport import VERSION
 
 # How long a draining worker holding named sessions waits for a peer told
 # ``leaving`` to claim them: a gateway answers within one loop pass.

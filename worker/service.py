@@ -25,7 +25,7 @@ from structlog import get_logger
 from edge import Handler, Outgoing, Request, failure_header, logs
 from faults import BadRequest, Internal, Unsupported
 from protocol import frames
-from protocol.envelope import event_reply, ok_reply
+from protocol.transport import event_reply, ok_reply
 
 from .api.app import App
 from .api.generate import GENERATIONS, Reader

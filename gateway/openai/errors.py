@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from faults import ErrorCode, Fault
-from protocol.envelope import wire_code
+from protocol.transport import wire_code
 
 # The code of the upstream's own timeout (no reply came in time): not a skiff code.
 TIMEOUT = "timeout"
@@ -121,7 +121,7 @@ def unavailable(message: str) -> ApiError:
 
 
 def from_fault(fault: Fault) -> ApiError:
-    """The HTTP error for a skiff fault: an error reply (``envelope.fault_of``)
+    """The HTTP error for a skiff fault: an error reply (``transport.fault_of``)
     or the upstream lost (``upstream.py``)."""
     return _from_code(wire_code(fault), fault.message, fault.retry_after_ms)
 

@@ -37,9 +37,9 @@ import zmq
 from edge.logs import get_logger
 from faults import Fault, WorkerUnavailable
 from protocol import Reply
-from protocol.envelope import fault_of
 from protocol.peer import DealerPeer, NotSent
 from protocol.sockets import Curve, SocketOptions
+from protocol.transport import fault_of
 
 from .errors import ApiError, from_fault, timed_out, unavailable
 

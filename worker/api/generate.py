@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from edge import Request
 from faults import BadRequest, ShuttingDown, Unsupported
-from protocol.envelope import Op
+from protocol.transport import Op
 
 from ..core.suspend import Resume
 from .app import App

@@ -26,7 +26,7 @@ import numpy as np
 
 from edge import Request
 from faults import BadRequest, Fault
-from protocol.envelope import Op
+from protocol.transport import Op
 
 from ..core.jobs.batch import AtomicBatchJob, BatchEntry
 from ..core.jobs.media import MediaPrefillJob

@@ -16,7 +16,7 @@ import numpy as np
 
 from edge import Request
 from faults import BadRequest, ContextOverflow
-from protocol.envelope import Op
+from protocol.transport import Op
 
 from ..core.jobs.base import Tensors
 from ..core.jobs.tensors import (

@@ -24,7 +24,7 @@ from typing import Any, Final, cast
 
 from faults import BadRequest, ContextOverflow, LimitExceeded
 from protocol import frame_limits, frames
-from protocol.envelope import MAX_SESSION_CHARS
+from protocol.transport import MAX_SESSION_CHARS
 
 from ..limits import Limits, exceeded, flag
 from ..spec import GrammarChecker

@@ -27,7 +27,7 @@ from structlog import get_logger
 
 from faults import Fault, StageUnavailable
 from protocol import sockets, transport
-from protocol.envelope import request
+from protocol.transport import request
 
 _log = get_logger("skiff.stage")
 PING_MS = 5_000  # the last stage answers a ping within a turn

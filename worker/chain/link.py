@@ -33,8 +33,8 @@ from structlog import get_logger
 
 from faults import BadRequest, Fault, SessionNotActive, StageUnavailable
 from protocol import frames, sockets, transport
-from protocol.envelope import fault_of
 from protocol.peer import DealerPeer, NotSent, OnReply
+from protocol.transport import fault_of
 
 from ..runtime import Origin, wire
 from ..runtime.tail import Answer, Landed, TailResult, TailStep
