@@ -5,8 +5,8 @@ It imports ``protocol`` and ``faults`` only, never ``worker``, so the gateway
 and other client-side processes can run on it too.
 """
 
-from .server import EdgeConfig, EdgeServer, failure_header
-from .service import Handler, Outgoing, Request, Service
+from .server import EdgeConfig, EdgeServer
+from .service import Handler, Outgoing, Request, Service, failure_header
 
 __all__ = [
     "EdgeConfig",

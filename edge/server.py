@@ -36,21 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from faults import (
-    BadRequest,
-    ErrorCode,
-    Fault,
-    PayloadTooLarge,
-    ShuttingDown,
-    UnknownOp,
-    UnsupportedVersion,
-    code_of,
-)
+from faults import BadRequest, PayloadTooLarge, ShuttingDown, UnknownOp, UnsupportedVersion
 from protocol import sockets, transport
-from protocol.transport import MAX_SESSION_CHARS, VERSION, error_reply, ok_reply
+from protocol.transport import MAX_SESSION_CHARS, VERSION, ok_reply
 
 from . import logs, memory, zap
-from .service import Outgoing, Request, Service
+from .service import Outgoing, Request, Service, failure_header
 
 if TYPE_CHECKING:
     from .metrics import EdgeMetrics
@@ -81,18 +72,6 @@ class EdgeConfig:
     drain_max: int = 256  # messages handled per pass before the service gets a turn
     idle_poll_ms: int = 100
     authorized: str = ""  # CURVE (socket.curve): directory of the client keys allowed (ZAP)
-
-
-def failure_header(req_id: int | None, exc: BaseException, op: str | None = None) -> dict[str, Any]:
-    """The error reply for ``exc``: its class's code, ``internal`` for anything else."""
-    code = code_of(exc)
-    if not isinstance(exc, Fault):
-        _log.error("unexpected_error", op=op, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-    message = (exc.message if isinstance(exc, Fault) else str(exc)) or type(exc).__name__
-    if code is not ErrorCode.CANCELLED:
-        _log.info("request_failed", code=str(code), message=message[:500])
-    retry = exc.retry_after_ms if isinstance(exc, Fault) else None
-    return error_reply(req_id, code, message, retry)
 
 
 class EdgeServer:

@@ -1,5 +1,6 @@
 """What a process plugs into the edge: the ``Service`` protocol and the
-typed request / outgoing message it speaks.
+typed request / outgoing message it speaks, and ``failure_header``, the
+error reply any failure becomes (the loop's own and a service's).
 
 ``edge/server.py`` owns the socket and the loop; a service (the LLM worker,
 the speech worker, the gateway) owns everything else. Kept apart so a
@@ -11,6 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from faults import ErrorCode, Fault, code_of
+from protocol.transport import error_reply
+
+from . import logs
+
+_log = logs.get_logger("skiff.edge")
 
 
 @dataclass
@@ -34,6 +42,18 @@ class Outgoing:
     peer: bytes
     header: dict[str, Any]
     buffers: Sequence[Any] = ()
+
+
+def failure_header(req_id: int | None, exc: BaseException, op: str | None = None) -> dict[str, Any]:
+    """The error reply for ``exc``: its class's code, ``internal`` for anything else."""
+    code = code_of(exc)
+    if not isinstance(exc, Fault):
+        _log.error("unexpected_error", op=op, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+    message = (exc.message if isinstance(exc, Fault) else str(exc)) or type(exc).__name__
+    if code is not ErrorCode.CANCELLED:
+        _log.info("request_failed", code=str(code), message=message[:500])
+    retry = exc.retry_after_ms if isinstance(exc, Fault) else None
+    return error_reply(req_id, code, message, retry)
 
 
 # A handler answers at once (a result map) or takes the request on (None).
