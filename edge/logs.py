@@ -1,9 +1,10 @@
 """structlog set-up shared by every skiff process.
 
 JSON lines in production (``--log-format json``), aligned key=value in a
-terminal (``console``). Request-scoped keys (request id, op, session) are
-bound with ``bind_request`` through contextvars, so every line logged while a
-request is handled carries them without threading a logger through calls.
+terminal (``console``). Configuration only: request-scoped keys (request
+id, op, session) are bound where a request meets the log, by
+``edge/server.py``'s ``bind_request`` through contextvars; the processors
+set up here merge them into every line.
 
 Logging must never end a process. Only values the edge validated are bound
 (an int id, a short op string, a session string); the JSON renderer turns
@@ -106,19 +107,6 @@ class _SafeLoggerFactory:
 
     def __call__(self, *args: Any) -> _SafeLogger:
         return _SafeLogger(self._file)
-
-
-def bind_request(req_id: int | None, op: str | None, session: str | None) -> None:
-    """Bind the request keys every log line of this request must carry.
-
-    Callers pass only validated values (typed here so mypy holds them to it).
-    """
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(request_id=req_id, op=op, session=session)
-
-
-def clear_request() -> None:
-    structlog.contextvars.clear_contextvars()
 
 
 def get_logger(name: str) -> Any:

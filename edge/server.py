@@ -7,7 +7,9 @@ answers, already rendered as ``Outgoing`` messages, out. The loop:
 2. drains up to ``drain_max`` messages without blocking. Each is decoded
    with size and depth caps; the envelope (``v``, ``id``, ``op``,
    ``session``, ``args``, ``deadline_ms``) is checked for type and range
-   before any value is logged or used; the op's handler answers at once
+   before any value is logged or used; ``bind_request`` then puts its id, op
+   and session on every line logged while it is handled (the server is where
+   a request meets the log); the op's handler answers at once
    (a result map) or takes the request on (``None``) and answers later
    through the service's turn;
 3. runs one ``service.turn()`` (for the LLM worker: at most one forward) and
@@ -34,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import zmq
 
 from faults import BadRequest, PayloadTooLarge, ShuttingDown, UnknownOp, UnsupportedVersion
@@ -72,6 +75,18 @@ class EdgeConfig:
     drain_max: int = 256  # messages handled per pass before the service gets a turn
     idle_poll_ms: int = 100
     authorized: str = ""  # CURVE (socket.curve): directory of the client keys allowed (ZAP)
+
+
+def bind_request(req_id: int | None, op: str | None, session: str | None) -> None:
+    """Bind the keys every log line of this request carries (contextvars: no
+    logger threaded through calls). Only validated values: mypy holds callers to it."""
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=req_id, op=op, session=session)
+
+
+def clear_request() -> None:
+    """Unbind them: nothing logged after the request carries its keys."""
+    structlog.contextvars.clear_contextvars()
 
 
 class EdgeServer:
@@ -228,7 +243,7 @@ class EdgeServer:
                 _log.exception("handle_crashed")
                 self.deliver([Outgoing(peer, failure_header(None, exc))])
             finally:
-                logs.clear_request()
+                clear_request()
 
     def _handle(self, peer: bytes, frames: Sequence[zmq.Frame]) -> None:
         req_id: int | None = None
@@ -252,7 +267,7 @@ class EdgeServer:
                 counted = True
                 self.metrics.received(peer, req_id, op)
             request = self._envelope(peer, header, req_id, op, frames)
-            logs.bind_request(request.id, request.op, request.session)
+            bind_request(request.id, request.op, request.session)
             if self._drain_deadline is not None:
                 self._refuse_while_draining(request.op)
             handler = self.service.handlers.get(request.op)

@@ -34,7 +34,7 @@ from typing import Any
 
 from structlog import get_logger
 
-from edge import Handler, Outgoing, Request, failure_header, logs
+from edge import Handler, Outgoing, Request, bind_request, clear_request, failure_header
 from edge import process as process_stats
 from faults import BadRequest, Cancelled, Fault, LimitExceeded, QueueFull
 from protocol.transport import Op, event_reply, ok_reply
@@ -237,7 +237,7 @@ class SpeechService:
             job = self.current = self.queue.popleft()
             job.started = time.monotonic()
             job.chunks = split_sentences(job.text)
-        logs.bind_request(job.req_id, "synthesize", None)
+        bind_request(job.req_id, "synthesize", None)
         try:
             if job.cancelled:
                 self._end(job, Cancelled("cancelled"))
@@ -251,7 +251,7 @@ class SpeechService:
                 log.exception("synthesis failed")
             self._end(job, exc)
         finally:
-            logs.clear_request()
+            clear_request()
 
     def _synth_chunk(self, job: Job) -> None:
         chunk = job.chunks[job.next_chunk]

@@ -22,7 +22,7 @@ from typing import Any
 
 from structlog import get_logger
 
-from edge import Handler, Outgoing, Request, failure_header, logs
+from edge import Handler, Outgoing, Request, bind_request, clear_request, failure_header
 from faults import BadRequest, Internal, Unsupported
 from protocol import frames
 from protocol.transport import event_reply, ok_reply
@@ -379,11 +379,11 @@ def render(ticket: Ticket, output: Output) -> Outgoing:
     if isinstance(output, Failure):
         # Only a failure logs; bind the request keys for that line alone
         # (not on every streamed token).
-        logs.bind_request(ticket.id, ticket.op, ticket.session)
+        bind_request(ticket.id, ticket.op, ticket.session)
         try:
             return Outgoing(peer, failure_header(ticket.id, output.error, ticket.op))
         finally:
-            logs.clear_request()
+            clear_request()
     buffers: list[Any] = []
     data = dict(output.data)
     if output.tensors is not None:
