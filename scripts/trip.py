@@ -7,7 +7,9 @@ code runs on the worker's thread from the send until the final reply
 arrives. The loop's idle polling before and after is outside the window.
 Modules are listed in the order the trip first enters them; data-only
 modules (a dataclass's generated ``__init__`` has no file) do not appear,
-which is the point: they are read, not walked through.
+which is the point: they are read, not walked through. Nor does the loop's
+once-a-second upkeep (``housekeeping``, ``trim_heap``) when it happens to
+fall inside the window: it is not the request's path.
 
     .venv/bin/python scripts/trip.py                 # a greedy text generate
     .venv/bin/python scripts/trip.py --sampling      # with a sampling map
@@ -38,8 +40,22 @@ _seen: dict[str, int] = {}
 _calls: dict[tuple[str, str], int] = {}
 
 
+# The loop's once-a-second upkeep (idle sessions, heap trimming) is not the
+# request's path; when it happens to fall inside the window, what it calls
+# is left out, so the count does not depend on timing.
+_UPKEEP = frozenset({"housekeeping", "trim_heap"})
+_in_upkeep: list[FrameType] = []
+
+
 def _profile(frame: FrameType, event: str, arg: Any) -> None:
+    if _in_upkeep:
+        if event == "return" and frame is _in_upkeep[-1]:
+            _in_upkeep.pop()
+        return
     if event != "call" or not _recording.is_set():
+        return
+    if frame.f_code.co_name in _UPKEEP:
+        _in_upkeep.append(frame)
         return
     name = frame.f_code.co_filename
     # the project's own modules: the venv may live under the checkout
