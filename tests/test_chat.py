@@ -13,11 +13,12 @@ from conftest import start_worker, stop_worker
 from edge import Request
 from faults import BadRequest
 from protocol import Client, SkiffError
-from worker.api.generate import h_chat
+from worker.api.generate import read_chat
 from worker.api.messages import read_messages
 from worker.api.validate import Context
 from worker.core.chat import FALLBACK_TEMPLATE, ChatJob, ChatTemplate
 from worker.limits import Limits
+from worker.service import generation_job
 
 SPECIAL = {"<eos>": 1, "<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106}
 
@@ -144,7 +145,6 @@ def test_messages_validation(messages: Any, field: str) -> None:
 
 def test_chat_job_gets_the_end_of_turn_stop() -> None:
     vocab = FakeVocab()
-    jobs: list[Any] = []
     app = SimpleNamespace(
         engine=vocab,
         n_vocab=1000,
@@ -161,20 +161,19 @@ def test_chat_job_gets_the_end_of_turn_stop() -> None:
         draining=False,
         chunk=256,
         ticket=lambda req: SimpleNamespace(id=req.id),
-        submit=jobs.append,
     )
 
     def request(args: dict[str, Any]) -> Request:
         return Request(b"p", 1, "chat", None, args, [], 0.0, None)
 
     args = {"messages": CONVO, "stop": ["x"], "stop_tokens": [7]}
-    h_chat(app, request(args))  # type: ignore[arg-type]
-    (job,) = jobs
+    req = request(args)
+    job = generation_job(app, req, read_chat(app, req))
     assert isinstance(job, ChatJob) and job.ephemeral
     assert job.stop_tokens == {7, 106} and job.stop == ["x", "<end_of_turn>"]
     assert job.prompt == vocab.tokenize(GEMMA_CONVO, False, True)
     with pytest.raises(BadRequest, match="not prompt"):
-        h_chat(app, request({"messages": CONVO, "prompt": "x"}))  # type: ignore[arg-type]
+        read_chat(app, request({"messages": CONVO, "prompt": "x"}))
 
 
 # -- over the socket ------------------------------------------------------------------
