@@ -1,19 +1,15 @@
 """The llama.cpp engine: one model, one context, one reusable batch.
 
-This is the only module family that touches ``llama_cpp``. Everything above
-talks to ``Engine``: tokenize, ``decode(segments)`` (one ``llama_decode``),
-``logits_row`` as zero-copy numpy views (``output_index`` finds a token's
-row), and the per-sequence memory ops the runtime needs (``pos_max``,
-``seq_rm``, ``seq_clear``, ``state_get`` / ``state_set``).
-
-A ``Segment`` is a run of consecutive tokens of one sequence (lane). A
-``Batch`` is allocated once at ``n_batch`` capacity; its token/pos/logits
-arrays are written through numpy views so a 512-token chunk costs a few
-slice writes, not 512 ctypes calls. Only ``seq_id`` (an array of pointers)
-needs a loop, and we skip rows whose lane did not change since the last fill.
-
-Loading (the backend, the model file, the context and the choices made
-there) is ``load.py``'s; an ``Engine`` holds the handles it opens.
+The only module family that touches ``llama_cpp``: everything above talks
+to ``Engine``: tokenize, ``decode(segments)`` (one ``llama_decode``), rows
+of logits as zero-copy numpy views (``output_index`` finds a token's row),
+and the per-lane memory ops the runtime needs. A ``Segment`` is a run of
+consecutive tokens of one lane (sequence). A ``Batch`` is allocated once at
+``n_batch`` capacity and written through numpy views, so a 512-token chunk
+costs a few slice writes, not 512 ctypes calls; only ``seq_id`` (an array
+of pointers) needs a loop, over the rows whose lane changed since the last
+fill. Loading (the backend, the model file, the context and the choices
+made there) is ``load.py``'s; an ``Engine`` holds the handles it opens.
 """
 
 from __future__ import annotations
@@ -133,13 +129,10 @@ class DecodeStatus:
     def ok(self) -> bool:
         return self.code == 0
 
+    _WHY = {1: "no KV slot for the batch (context full)", 2: "aborted", -1: "invalid input batch"}
+
     def describe(self) -> str:
-        return {
-            0: "ok",
-            1: "no KV slot for the batch (context full)",
-            2: "aborted",
-            -1: "invalid input batch",
-        }.get(self.code, f"fatal error {self.code}")
+        return "ok" if self.ok else self._WHY.get(self.code, f"fatal error {self.code}")
 
 
 class Engine:
@@ -381,10 +374,9 @@ class Engine:
 
     def identity(self) -> dict[str, Any]:
         """What a saved KV state is only valid with: the model file's sha256
-        (``FileDigest``: hashed once), the KV cell types and the state format,
-        and the arithmetic: batch invariance and the CPU kernels (an AVX2 and
-        an AVX-512 build round differently, so a session moved between them
-        could not continue as it would have at home; such a move is refused)."""
+        (hashed once), KV cell types, state format, and the arithmetic (an
+        AVX2 and an AVX-512 build round differently: a session moved between
+        them could not continue as at home, so such a move is refused)."""
         return {
             "model_sha256": self.digest.hexdigest(),
             "n_layer": self.n_layer,

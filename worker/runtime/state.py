@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch, SessionNotActive
 
@@ -38,7 +37,6 @@ from .chain import Call, Flight
 from .lanes import LanePool, Session, SessionId
 from .park import Park, make_room, parkable, restore
 from .prefix import MIN_PREFIX_REUSE, PrefixStats, window_holds
-from .signals import session_signals
 from .steps import RowReader, Step, StepResult, group_steps, output_rows
 from .tail import Tail
 
@@ -116,8 +114,7 @@ class RuntimeState:
         return len(self.lanes.missing(ids)), room
 
     def rename(self, old: SessionId, new: str) -> Session:
-        """Give a session in a lane another id (a suspended sessionless
-        stream's session gets a name a peer can export it by)."""
+        """Give a session in a lane a name (a suspended sessionless stream's)."""
         if new in self.lanes.sessions or self.known(new) is not None:
             raise BadRequest(f"session {new!r} exists")
         session = self.lanes.sessions.pop(old)
@@ -319,12 +316,6 @@ class RuntimeState:
             for i, result in zip(indices, outcome, strict=True):
                 results[i] = result
         return results
-
-    def signals(self, session_id: SessionId, op: str, window_tokens: int = 0) -> dict[str, Any]:
-        """``signal`` (the last sampled token's) or ``signal_window``, where
-        sampling happens (a stage with a next stage ``ask``s down the chain)."""
-        history = self.require(session_id).signals
-        return session_signals(history, op, window_tokens, str(session_id))
 
     # -- forwards through a pipeline chain, asynchronously (runtime/chain.py) --
 

@@ -8,25 +8,20 @@ sample or copy out), a ``StepResult`` what it got. ``RowRule`` and
 the span's first ``i + 1`` tokens; sample in order and stop at the first row
 that disagrees with its draft, or samples a stop token, so a stateful
 sampler (RNG, penalties, grammar) consumes exactly what plain decoding
-would have. The rule runs where the logits are: in this process for a whole
-model, on the last stage of a pipeline otherwise (a ``RowRule`` travels
-with the step), and the job reads the outcome from ``StepResult.row_tokens``
-either way.
+would have. The rule runs where the logits are (here, or on the last stage
+of a pipeline: a ``RowRule`` travels with the step); the job reads the
+outcome from ``StepResult.row_tokens`` either way.
 
-The drafts are proposed here too, beside the rule that verifies them: a
-``Drafter`` proposes tokens to follow a session's next token, from its own
-history (``PromptLookup``, an ``NgramIndex``: no extra model, it shines on
-edits of given text) or from a smaller model (``draft.DraftModel``). A
-draft token is kept only while it equals what the target itself sampled, so
-the output is the output without speculation (up to batch-shape numerics).
+Drafts are proposed beside the rule that verifies them: a ``Drafter``
+proposes what follows a session's next token, from its own history
+(``PromptLookup``: no extra model, it shines on edits of given text) or a
+smaller model (``draft.DraftModel``). A draft token is kept only while it
+equals what the target itself sampled: the output is the output without.
 
-``RowReader`` (held by ``RuntimeState`` as ``rows``) reads llama.cpp's
-output rows after a decode: ``sample_row`` (greedy or the session's sampler
-chain, confidence signals, logprobs), ``sampler_for`` (one chain per
-session, rebuilt when its parameters change), and a step's result
-(``fill``): its sampled token, its rows walked by a ``RowRule``, or the
-logits / hidden states it asked for. It only reads the engine's rows and
-the session's sampler: it moves no position.
+``RowReader`` (``RuntimeState.rows``) reads llama.cpp's output rows after
+a decode (samples, signals, logprobs, the rows a ``RowRule`` walks, logits
+or hidden states asked for), with one sampler chain per session; it moves
+no position.
 """
 
 from __future__ import annotations
@@ -265,12 +260,9 @@ def output_rows(step: Step) -> OutputMode:
 
 
 class Drafter(Protocol):
-    """Proposes up to ``limit`` tokens to follow ``next_token`` in ``session``.
-
-    ``streams`` is how many streams decode in the forward being planned: a
-    drafter may decline when extra rows would not pay (``PromptLookup``'s
-    automatic mode).
-    """
+    """Proposes up to ``limit`` tokens to follow ``next_token`` in ``session``;
+    ``streams`` (how many decode in the forward being planned) lets it decline
+    when extra rows would not pay (``PromptLookup``'s automatic mode)."""
 
     def draft(
         self, session: Session, next_token: int, limit: int, streams: int = 1

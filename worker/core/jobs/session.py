@@ -23,6 +23,7 @@ import numpy as np
 from faults import BadRequest, Fault
 
 from ...runtime import Call, RuntimeState, Session, SessionId, Step, StepResult
+from ...runtime.signals import session_signals
 from ...runtime.steps import RowRule
 from ...spec import SamplerSpec
 from .base import (
@@ -187,8 +188,9 @@ class SessionOpJob(Job):
             op, name, n = self.op, str(sid), self.token_count
             call = rt.ask(op, sid, lambda tail: tail.session_query(op, name, n))
             return self.after_chain(rt, lambda: reply(call.result))
-        elif self.op in ("signal", "signal_window"):
-            data = rt.signals(sid, self.op, self.token_count)
+        elif self.op in ("signal", "signal_window"):  # here, where sampling happens
+            history = rt.require(sid).signals
+            data = session_signals(history, self.op, self.token_count, str(sid))
         else:
             rt.drop(sid)
             data = {}
