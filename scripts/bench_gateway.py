@@ -3,16 +3,20 @@
 
     .venv/bin/python scripts/bench_gateway.py [--concurrency 8] [--requests 32]
 
-One run, same machine, same workers:
+One run, same machine:
 - aggregate output tok/s of ``skiff-loadtest`` (closed loop, greedy,
   ``ignore_eos``) against the two workers directly (requests round-robin),
   through the gateway's ZeroMQ front and through its HTTP front (OpenAI
   ``/v1/completions``, streamed), ``--rounds`` times with the order rotating
-  each round (the workers' prefix caches warm up over the run: no front may
-  always go last); the ratio is taken against the mean of the direct runs
-  (the bar: >= 0.97), beside the gateway process's CPU per load and the
-  tokens the workers' forwards computed (the same requests and new tokens
-  on every front: more computed is prompt prefixes missed in the caches);
+  each round. Every measured load starts on fresh processes (two workers,
+  and the gateway for its fronts): the workers' prefix caches are cold at
+  the start of each, so no front inherits another's warm caches (with the
+  same workers throughout, which front ran before decided more of a ratio
+  than the front did). The ratio is taken against the mean of the direct
+  runs (the bar: >= 0.97), beside the gateway process's CPU per load and
+  the tokens the workers' forwards computed (the same requests and new
+  tokens on every front: more computed is prompt prefixes missed in the
+  caches);
 - the gateway's overhead per streamed message: round trips of a forwarded
   op (``tokenize`` of one word; the gateway answers ``ping`` itself)
   through the gateway minus direct ones, p50 over many, on an idle system;
@@ -152,6 +156,58 @@ def wait_routed(endpoint: str, timeout_s: float = 60) -> None:
     raise RuntimeError("the gateway never forwarded a request")
 
 
+class Deployment:
+    """Two fresh workers and a fresh gateway in front of them, stopped on exit.
+
+    The gateway runs for every front (idle for the direct one), so each
+    measured load sees the same processes on the machine."""
+
+    def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
+        tmp.mkdir(parents=True)
+        self.tmp, self.args = tmp, args
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.workers = [f"ipc://{tmp}/w{i}.sock" for i in range(2)]
+        self.gateway = f"ipc://{tmp}/gw.sock"
+        self.http = f"http://127.0.0.1:{free_port()}"
+
+    def __enter__(self) -> Deployment:
+        py, args, tmp = sys.executable, self.args, self.tmp
+        try:
+            for i, ep in enumerate(self.workers):
+                cmd = [py, "-m", "worker.cli", "--bind", ep, "--threads", "1"]
+                cmd += ["--lanes", "8", "--ctx", "8192", *shlex.split(args.worker_args)]
+                self.procs.append(start(cmd, tmp / f"w{i}.log"))
+            for ep, proc in zip(self.workers, self.procs, strict=True):
+                wait_ping(ep, proc)
+            cmd = [py, "-m", "gateway.cli", "--bind", self.gateway]
+            cmd += ["--http", self.http[len("http://") :]]
+            cmd += ["--policy", args.policy, "--log-level", "warning"]
+            cmd += shlex.split(args.gateway_args)
+            for ep in self.workers:
+                cmd += ["--worker", ep]
+            self.procs.append(start(cmd, tmp / "gateway.log"))
+            wait_ping(self.gateway, self.procs[-1])
+            wait_routed(self.gateway)
+            wait_http(self.http)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    @property
+    def gateway_pid(self) -> int:
+        return self.procs[-1].pid
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def load(endpoints: list[str], args: argparse.Namespace) -> dict[str, Any]:
     return run_load(
         endpoints=endpoints,
@@ -179,65 +235,31 @@ def main() -> None:
     ap.add_argument("--gateway-args", default="", help="extra skiff-gateway flags")
     ap.add_argument("--worker-args", default="", help="extra skiff-worker flags")
     args = ap.parse_args()
-    py = sys.executable
+    runs: dict[str, list[dict[str, Any]]] = {}
+    splits: dict[str, list[int]] = {}
+    computed: dict[str, list[int]] = {}
+    gw_cpu: dict[str, list[float]] = {}
+    fronts = ["direct", "gateway (ZeroMQ)", "gateway (HTTP)"]
     with tempfile.TemporaryDirectory(prefix="skiff-gw-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            workers = [f"ipc://{tmp}/w{i}.sock" for i in range(2)]
-            for i, ep in enumerate(workers):
-                cmd = [py, "-m", "worker.cli", "--bind", ep, "--threads", "1"]
-                cmd += ["--lanes", "8", "--ctx", "8192", *shlex.split(args.worker_args)]
-                procs.append(start(cmd, tmp / f"w{i}.log"))
-            for ep, proc in zip(workers, procs, strict=True):
-                wait_ping(ep, proc)
-            gateway = f"ipc://{tmp}/gw.sock"
-            http = f"http://127.0.0.1:{free_port()}"
-            cmd = [py, "-m", "gateway.cli", "--bind", gateway, "--http", http[len("http://") :]]
-            cmd += ["--policy", args.policy, "--log-level", "warning"]
-            cmd += shlex.split(args.gateway_args)
-            for ep in workers:
-                cmd += ["--worker", ep]
-            procs.append(start(cmd, tmp / "gateway.log"))
-            wait_ping(gateway, procs[-1])
-            wait_routed(gateway)
-            wait_http(http)
-
-            direct_rt = round_trip_us(workers[0], args.pings)
-            gw_rt = round_trip_us(gateway, args.pings)
-            echo_rt = bare_echo_us(tmp, args.pings)
-            # alternate the fronts so drift on a noisy machine hits each alike
-            runs: dict[str, list[dict[str, Any]]] = {}
-            splits: dict[str, list[int]] = {}
-            computed: dict[str, list[int]] = {}
-            fronts = [
-                ("direct", workers),
-                ("gateway (ZeroMQ)", [gateway]),
-                ("gateway (HTTP)", [http]),
-            ]
-            gw_cpu: dict[str, list[float]] = {}
-            for r in range(args.rounds):
-                # the order rotates each round: warm caches and drift hit every front alike
-                for name, eps in fronts[r % 3 :] + fronts[: r % 3]:
-                    before = worker_counts(workers)
-                    cpu0 = cpu_seconds(procs[-1].pid)
-                    runs.setdefault(name, []).append(load(eps, args))
-                    gw_cpu.setdefault(name, []).append(cpu_seconds(procs[-1].pid) - cpu0)
-                    after = worker_counts(workers)
-                    split = [b[0] - a[0] for a, b in zip(before, after, strict=True)]
-                    tokens = sum(b[1] - a[1] for a, b in zip(before, after, strict=True))
-                    computed.setdefault(name, []).append(tokens)
-                    splits[name] = [
-                        x + y for x, y in zip(splits.get(name, [0, 0]), split, strict=True)
-                    ]
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        with Deployment(tmp / "rt", args) as d:  # the idle round trips, once
+            direct_rt = round_trip_us(d.workers[0], args.pings)
+            gw_rt = round_trip_us(d.gateway, args.pings)
+        echo_rt = bare_echo_us(tmp, args.pings)
+        for r in range(args.rounds):
+            # the order rotates each round: drift on a noisy machine hits every front alike
+            for name in fronts[r % 3 :] + fronts[: r % 3]:
+                with Deployment(tmp / f"r{r}-{fronts.index(name)}", args) as d:
+                    eps = {"direct": d.workers, "gateway (ZeroMQ)": [d.gateway]}
+                    before = worker_counts(d.workers)
+                    cpu0 = cpu_seconds(d.gateway_pid)
+                    runs.setdefault(name, []).append(load(eps.get(name, [d.http]), args))
+                    gw_cpu.setdefault(name, []).append(cpu_seconds(d.gateway_pid) - cpu0)
+                    after = worker_counts(d.workers)
+                split = [b[0] - a[0] for a, b in zip(before, after, strict=True)]
+                tokens = sum(b[1] - a[1] for a, b in zip(before, after, strict=True))
+                computed.setdefault(name, []).append(tokens)
+                splits[name] = [x + y for x, y in zip(splits.get(name, [0, 0]), split, strict=True)]
 
     def tok_s(name: str) -> float:
         return statistics.mean(r["throughput"]["output_tok_s"] for r in runs[name])
@@ -245,20 +267,21 @@ def main() -> None:
     base = tok_s("direct")
     print(
         f"2 workers (1 thread each), closed loop c={args.concurrency}, "
-        f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} alternating rounds"
+        f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} alternating rounds, "
+        "fresh processes (cold caches) for every load"
     )
     for name, rs in runs.items():
         each = " / ".join(f"{r['throughput']['output_tok_s']:.1f}" for r in rs)
         itl = statistics.mean(r["itl_ms"]["p50"] for r in rs)
         errors = sum(r["requests"]["errors"] for r in rs)
-        split = f" | requests per worker {splits[name]}" if name in splits else ""
+        extra = f" | requests per worker {splits[name]}" if name in splits else ""
         wall = statistics.mean(r["duration_s"] for r in rs)
         cpu = statistics.mean(gw_cpu[name])
-        split += f" | gateway CPU {cpu:.1f} s ({cpu / wall:.0%} of a core)"
-        split += f" | tokens computed {statistics.mean(computed[name]):.0f} a run"
+        extra += f" | gateway CPU {cpu:.1f} s ({cpu / wall:.0%} of a core)"
+        extra += f" | tokens computed {statistics.mean(computed[name]):.0f} a run"
         print(
             f"  {name:17s} {tok_s(name):6.1f} tok/s ({each}) | ratio to direct "
-            f"{tok_s(name) / base:.3f} | ITL p50 {itl:.1f} ms | errors {errors}{split}"
+            f"{tok_s(name) / base:.3f} | ITL p50 {itl:.1f} ms | errors {errors}{extra}"
         )
     d50, g50 = statistics.median(direct_rt), statistics.median(gw_rt)
     print(
