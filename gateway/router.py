@@ -17,13 +17,14 @@ left is placing *new* work, three ways (``--policy``):
   fewer free lanes; docs/gateway.md says why) of the least loaded one,
   scaled down for matches shorter than ``--cache-full-blocks`` (default
   32: 512 tokens; ``Router.slack``).
-  A prompt of at least ``--cache-min-blocks`` blocks also has a *home*: the
-  worker that rendezvous hashing of its first blocks ranks first
-  (``Router.home``), which counts as a full hit (``--cache-full-blocks``
-  matched) even before it has seen the prompt, so a fresh prompt goes to
-  its home, not to whichever equally loaded worker's turn it is, unless the
-  home is more than the threshold busier (consistent hashing with a bounded
-  load). No hit goes onto a worker with no free lane while another has one
+  A prompt of at least ``--cache-min-blocks`` blocks also has a *home*:
+  the first worker in the rendezvous ranking of its first blocks that holds
+  fewer than its share of the prompts' homes, kept once given
+  (``Router.home``: consistent hashing with bounded loads). The home counts
+  as a full hit (``--cache-full-blocks`` matched) even before it has seen
+  the prompt, so a fresh prompt goes to its home, not to whichever equally
+  loaded worker's turn it is, unless the home is more than the threshold
+  busier. No hit goes onto a worker with no free lane while another has one
   (the request would queue behind a whole generation there to save a
   prefill: measured, that imbalance cost the gateway 7-15% of throughput
   against round robin); otherwise least loaded wins. A hot prefix thus
@@ -191,6 +192,7 @@ class Router:
         # a match this long may cost the whole threshold; shorter, a share
         self.cache_full_blocks = max(self.cache_min_blocks, cache_full_blocks)
         self.index = index or PrefixIndex()
+        self.homes = HomeTable()
         self._turn = itertools.count()
         self.cache_routed = 0  # decisions that went to a prefix hit (for stats)
 
@@ -209,12 +211,14 @@ class Router:
         elif self.policy == "least_loaded" or not blocks:
             chosen = least_loaded(candidates, next(self._turn))
         else:
-            chosen = self._cache_aware(candidates, blocks)
+            chosen = self._cache_aware(candidates, blocks, remember)
         if remember and self.policy == "cache_aware":
             self.index.insert(chosen, blocks)
         return chosen
 
-    def _cache_aware(self, candidates: Sequence[Candidate], blocks: Sequence[int]) -> str:
+    def _cache_aware(
+        self, candidates: Sequence[Candidate], blocks: Sequence[int], remember: bool = True
+    ) -> str:
         """The candidate sharing the longest prefix within its load slack,
         counting the prompt's home (``home``) as a full hit; else least loaded.
 
@@ -228,7 +232,10 @@ class Router:
         bounded load). The figures, before and after, are in docs/gateway.md."""
         best_load = min(c.score for c in candidates)
         room_elsewhere = any(c.free_lanes > 0 for c in candidates)
-        home = self.home([c.name for c in candidates], blocks)
+        names = [c.name for c in candidates]
+        home = self.home(names, blocks)
+        if home is not None and remember:
+            self.homes.settle(self._home_key(blocks), home)
         best: Candidate | None = None
         best_key = (0, 0, False)
         hit = False
@@ -249,15 +256,33 @@ class Router:
         return best.name
 
     def home(self, names: Sequence[str], blocks: Sequence[int]) -> str | None:
-        """The prompt's home among ``names``: the one ranked first by
-        rendezvous (highest random weight) hashing of its first
-        ``cache_min_blocks`` blocks with each name; None for a shorter prompt.
-        Prompts sharing that start (a system prompt, one conversation's turns)
-        share a home, and a worker that leaves moves only its own prompts."""
+        """The prompt's home among ``names``; None for a prompt shorter than
+        ``cache_min_blocks`` blocks. Its key is its first ``cache_min_blocks``
+        blocks: prompts sharing that start (a system prompt, one
+        conversation's turns) share a home.
+
+        A key seen before keeps the home it was given (``HomeTable``). A new
+        one goes to the first of the rendezvous (highest random weight)
+        ranking of ``names`` that holds fewer than its share of the keys,
+        ``ceil((keys + 1) / workers)``: consistent hashing with bounded loads.
+        Why bounded: a few prompts hashed freely split unevenly (8 prompts on
+        2 workers: 4-4 only 27% of the time, 6-2 or worse 29%), and the
+        worker holding more homes than its idle lanes can cache evicts them
+        from each other while the other worker's lanes stay empty. A worker
+        that leaves moves only its own keys; with no key recorded the home
+        is the rendezvous first, the same in every process."""
         if len(blocks) < self.cache_min_blocks or not names:
             return None
-        key = (blocks[self.cache_min_blocks - 1] & _U64).to_bytes(8, "little")
-        return max(names, key=lambda name: (_rank(key, name), name))
+        key = self._home_key(blocks)
+        kept = self.homes.get(key)
+        if kept in names:
+            return kept
+        share = -(-(self.homes.count(names) + 1) // len(names))
+        ranked = sorted(names, key=lambda name: (_rank(key, name), name), reverse=True)
+        return next((n for n in ranked if self.homes.held(n) < share), ranked[0])
+
+    def _home_key(self, blocks: Sequence[int]) -> bytes:
+        return (blocks[self.cache_min_blocks - 1] & _U64).to_bytes(8, "little")
 
     def slack(self, matched: int) -> float:
         """The load a prefix of ``matched`` blocks may cost over the least
@@ -271,6 +296,45 @@ class Router:
 
     def forget(self, worker: str) -> None:
         self.index.forget(worker)
+        self.homes.forget(worker)
+
+
+class HomeTable:
+    """The home each prompt key was given, LRU-bounded, with a count per worker.
+
+    What it remembers is only a placement: a key forgotten (aged out, or its
+    worker gone) is placed again, which at worst costs one cold prefill."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = max(1, capacity)
+        self._home: OrderedDict[bytes, str] = OrderedDict()
+        self._held: dict[str, int] = {}
+
+    def get(self, key: bytes) -> str | None:
+        return self._home.get(key)
+
+    def held(self, worker: str) -> int:
+        return self._held.get(worker, 0)
+
+    def count(self, workers: Sequence[str]) -> int:
+        return sum(self.held(w) for w in workers)
+
+    def settle(self, key: bytes, worker: str) -> None:
+        """``key``'s home is ``worker`` (again: most recently used)."""
+        old = self._home.pop(key, None)
+        if old is not None:
+            self._held[old] -= 1
+        self._home[key] = worker
+        self._held[worker] = self.held(worker) + 1
+        while len(self._home) > self.capacity:
+            _, gone = self._home.popitem(last=False)
+            self._held[gone] -= 1
+
+    def forget(self, worker: str) -> None:
+        """The worker is gone: its keys are placed again when next seen."""
+        for key in [k for k, w in self._home.items() if w == worker]:
+            del self._home[key]
+        self._held.pop(worker, None)
 
 
 def least_loaded(candidates: Sequence[Candidate], turn: int = 0) -> str:
