@@ -13,8 +13,8 @@ left is placing *new* work, three ways (``--policy``):
   longest prefix of at least ``--cache-min-blocks`` blocks (default 8: 128
   tokens, the worker's default prefill piece, the smallest prefix its exact
   prefix cache reuses), but only while that worker's load score is within
-  ``--balance-threshold`` (default 4: two more running requests, two
-  fewer free lanes; docs/gateway.md says why) of the least loaded one,
+  ``--balance-threshold`` (default 2: one more running request and one
+  free lane fewer; docs/gateway.md says why) of the least loaded one,
   scaled down for matches shorter than ``--cache-full-blocks`` (default
   32: 512 tokens; ``Router.slack``).
   A prompt of at least ``--cache-min-blocks`` blocks also has a *home*:
@@ -179,7 +179,7 @@ class Router:
         self,
         policy: str = "cache_aware",
         *,
-        balance_threshold: float = 4.0,
+        balance_threshold: float = 2.0,
         cache_min_blocks: int = 8,
         cache_full_blocks: int = 32,
         index: PrefixIndex | None = None,

@@ -164,7 +164,7 @@ def test_a_short_shared_prefix_elsewhere_wins_only_among_equally_loaded_workers(
     """Away from a prompt's home, the slack a hit may cost grows with its
     length: a repeated 200-token prompt does not pile onto the busier worker,
     a long conversation does. At equal load the home (a full hit) decides."""
-    router = Router("cache_aware")  # threshold 4, hits from 8 blocks, the whole slack from 32
+    router = Router("cache_aware", balance_threshold=4)  # hits from 8 blocks, whole slack from 32
     assert router.slack(8) == 1.0 and router.slack(16) == 2.0 and router.slack(64) == 4.0
     for blocks in (
         prompt_blocks({"tokens": list(range(200))}),  # 12 blocks: slack 1.5

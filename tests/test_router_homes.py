@@ -99,7 +99,7 @@ def test_equally_loaded_workers_send_a_fresh_prompt_home() -> None:
 
 
 def test_a_home_more_than_the_threshold_busier_loses_to_the_least_loaded() -> None:
-    router = Router()  # threshold 4: two more running requests (and two fewer free lanes)
+    router = Router(balance_threshold=4)  # two more running requests, two fewer free lanes
     blocks = prompt_blocks({"prompt": "Summarise the following report. " * 30})
     home, other = _home_and_other(router, blocks)
     least = Candidate(other, running=1, free_lanes=3)  # score -2
