@@ -112,16 +112,21 @@ def _follow(endpoint: str, args: dict[str, Any], session: str | None, out: dict[
             out["error"] = f"{exc.code}: {exc.message}"
 
 
+def _started(
+    endpoint: str, args: dict[str, Any], session: str | None
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """One stream followed on a thread of its own."""
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=_follow, args=(endpoint, args, session, out))
+    t.start()
+    return t, out
+
+
 def _running(
     gw: str, streams: list[tuple[dict[str, Any], str | None]]
 ) -> list[tuple[threading.Thread, dict[str, Any]]]:
     """Streams followed on threads (args, session), once each has 3 tokens."""
-    runs = []
-    for args, session in streams:
-        out: dict[str, Any] = {}
-        t = threading.Thread(target=_follow, args=(gw, args, session, out))
-        t.start()
-        runs.append((t, out))
+    runs = [_started(gw, args, session) for args, session in streams]
     for _, out in runs:
         wait_until(
             lambda out=out: len(_tokens(out.get("events", []))) >= 3,  # type: ignore[misc]
@@ -157,12 +162,11 @@ def _session_prompt(i: int) -> str:
 def test_a_rolling_restart_moves_streams_and_sessions_exactly(pair: Pair) -> None:
     gw = pair.gateway_ep
     # References: every stream and every session continuation, never moved.
-    ref_streams = []
-    for i in range(8):
-        out: dict[str, Any] = {}
-        _follow(gw, _stream_args(i), f"ref-st{i}" if i < 4 else None, out)
-        assert "error" not in out
-        ref_streams.append(out["events"])
+    # The reference streams run together: each row is computed as if alone
+    # (batch invariance), so running them side by side changes no token.
+    ref_streams = _ended(
+        [_started(gw, _stream_args(i), f"ref-st{i}" if i < 4 else None) for i in range(8)]
+    )
     ref_sessions = []
     with Client(gw, timeout_ms=WAIT_MS) as c:
         for i in range(SESSIONS):
@@ -207,12 +211,7 @@ def test_a_worker_holding_only_sessionless_streams_hands_them_over(pair: Pair) -
     the same (they do not run on to the drain timeout and get cancelled)."""
     gw = pair.gateway_ep
     assert not any(w["sessions"] for w in pair.status()["workers"])
-    refs = []
-    for i in range(2):
-        out: dict[str, Any] = {}
-        _follow(gw, _stream_args(20 + i), None, out)
-        assert "error" not in out
-        refs.append(out["events"])
+    refs = _ended([_started(gw, _stream_args(20 + i), None) for i in range(2)])
     runs = _running(gw, [(_stream_args(20 + i), None) for i in range(2)])
     holder = next(w["endpoint"] for w in pair.status()["workers"] if w["in_flight"])
     moved_before = pair.status().get("streams_moved", 0)
