@@ -16,7 +16,8 @@ One run, same machine:
   runs (the bar: >= 0.97), beside the gateway process's CPU per load and
   the tokens the workers' forwards computed (the same requests and new
   tokens on every front: more computed is prompt prefixes missed in the
-  caches);
+  caches) with the workers' prefix-cache counters (hits, misses, tokens
+  reused, cached lanes evicted) that say where they were missed;
 - the gateway's overhead per streamed message: round trips of a forwarded
   op (``tokenize`` of one word; the gateway answers ``ping`` itself)
   through the gateway minus direct ones, p50 over many, on an idle system;
@@ -143,6 +144,21 @@ def worker_counts(endpoints: list[str]) -> list[tuple[int, int]]:
     return out
 
 
+PREFIX_FIGURES = ("hits", "misses", "reused_tokens", "evictions")
+
+
+def prefix_counts(endpoints: list[str]) -> dict[str, int]:
+    """The workers' prefix-cache counters, summed: where the extra tokens a
+    front computes come from (fewer hits, more evictions of cached lanes)."""
+    total = dict.fromkeys(PREFIX_FIGURES, 0)
+    for ep in endpoints:
+        with Client(ep) as c:
+            cache = c.stats().get("prefix_cache") or {}
+        for key in PREFIX_FIGURES:
+            total[key] += int(cache.get(key, 0))
+    return total
+
+
 def wait_routed(endpoint: str, timeout_s: float = 60) -> None:
     """Until the gateway forwards work (its own ``ping`` answers before any worker is up)."""
     deadline = time.monotonic() + timeout_s
@@ -239,6 +255,7 @@ def main() -> None:
     splits: dict[str, list[int]] = {}
     computed: dict[str, list[int]] = {}
     gw_cpu: dict[str, list[float]] = {}
+    cache: dict[str, list[dict[str, int]]] = {}
     fronts = ["direct", "gateway (ZeroMQ)", "gateway (HTTP)"]
     with tempfile.TemporaryDirectory(prefix="skiff-gw-bench-") as tmp_s:
         tmp = Path(tmp_s)
@@ -252,10 +269,13 @@ def main() -> None:
                 with Deployment(tmp / f"r{r}-{fronts.index(name)}", args) as d:
                     eps = {"direct": d.workers, "gateway (ZeroMQ)": [d.gateway]}
                     before = worker_counts(d.workers)
+                    cache0 = prefix_counts(d.workers)
                     cpu0 = cpu_seconds(d.gateway_pid)
                     runs.setdefault(name, []).append(load(eps.get(name, [d.http]), args))
                     gw_cpu.setdefault(name, []).append(cpu_seconds(d.gateway_pid) - cpu0)
                     after = worker_counts(d.workers)
+                    cache1 = prefix_counts(d.workers)
+                cache.setdefault(name, []).append({k: cache1[k] - cache0[k] for k in cache1})
                 split = [b[0] - a[0] for a, b in zip(before, after, strict=True)]
                 tokens = sum(b[1] - a[1] for a, b in zip(before, after, strict=True))
                 computed.setdefault(name, []).append(tokens)
@@ -279,6 +299,11 @@ def main() -> None:
         cpu = statistics.mean(gw_cpu[name])
         extra += f" | gateway CPU {cpu:.1f} s ({cpu / wall:.0%} of a core)"
         extra += f" | tokens computed {statistics.mean(computed[name]):.0f} a run"
+        per = {k: statistics.mean(c[k] for c in cache[name]) for k in PREFIX_FIGURES}
+        extra += (
+            f" | prefix cache a run: hits {per['hits']:.0f}, misses {per['misses']:.0f}, "
+            f"reused {per['reused_tokens']:.0f} tokens, evictions {per['evictions']:.0f}"
+        )
         print(
             f"  {name:17s} {tok_s(name):6.1f} tok/s ({each}) | ratio to direct "
             f"{tok_s(name) / base:.3f} | ITL p50 {itl:.1f} ms | errors {errors}{extra}"
