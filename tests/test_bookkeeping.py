@@ -7,6 +7,7 @@ import pytest
 from faults import LanesBusy, SessionNotActive
 from worker.core.jobs.base import chunk_bounds
 from worker.runtime import LanePool
+from worker.runtime.lanes import TOKENS_PER_RUN
 
 
 def test_admit_is_all_or_nothing() -> None:
@@ -97,3 +98,26 @@ def test_among_lanes_as_good_an_empty_one_goes_before_a_cached_one() -> None:
     (c,) = pool.admit(["c"])
     assert c.lane in (0, 2)  # both keep one run with lane 1; neither is the cached 3
     assert pool.cached == 1 and pool.take_evicted() == []
+
+
+def test_a_cached_lane_holding_a_long_prompt_outweighs_one_more_run() -> None:
+    """Evicting a cached lane costs its tokens' prefill when its prompt comes
+    back: a lane holding ``TOKENS_PER_RUN`` tokens or more weighs as one run
+    more per such block, so a short cached lane goes first even out of the
+    run, and among cached lanes of equal weight the run still decides."""
+    pool = LanePool(8, cache_limit=8)
+    pool.admit(["a", "b", "c", "d"])  # lanes 0-3 held
+    pool._free.clear()
+    for lane in range(4, 8):
+        pool._cached[lane] = [1] * 10  # short: no weight
+    pool._cached[4] = [1] * (3 * TOKENS_PER_RUN)  # next to the run, but long
+    (e,) = pool.admit(["e"])
+    assert e.lane != 4 and pool.take_evicted() == [e.lane]
+    assert 4 in pool._cached
+    # all cached lanes short: the one next to the run, as before
+    pool.release("e", keep=False)
+    pool._free.remove(e.lane)
+    pool._cached[e.lane] = [1] * 10
+    pool._cached[4] = [1] * 10
+    (f,) = pool.admit(["f"])
+    assert f.lane == 4
