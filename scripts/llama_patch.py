@@ -20,16 +20,29 @@ shape of the batch:
   all reduce in different orders. This is what made a migrated session past
   the 512-token sliding window continue with other logits.
 
-The patch adds two switches, environment variables read once per process
+The patch adds three switches, environment variables read once per process
 (upstream already has ``GGML_CPU_TILED_MM=0`` / ``GGML_CPU_TILED_MM_FORCE=1``
-for the tiled K-quant matmul): ``GGML_CPU_FA_ONE_ROW=1`` sends every query
-row through the one-row flash-attention loop, which walks the live cells in
-order and skips masked ones (so it is blind to the batch, the thread count,
-gaps, padding and the cache's cell count), and ``GGML_CPU_LLAMAFILE=0``
-turns tinyBLAS off for a CPU variant where it rounds differently from
-``vec_dot`` (measured per variant by ``scripts/exactness_matrix.py``; the
-worker sets what the variant it loaded needs, ``worker/engine/kernels.py``).
-Unset, the build behaves exactly like upstream. Each edit must match the
+for the tiled K-quant matmul):
+
+- ``GGML_CPU_FA_ONE_ROW=1`` sends every query row through the one-row
+  flash-attention loop, which walks the live cells in order and skips masked
+  ones (so it is blind to the batch, the thread count, gaps, padding and the
+  cache's cell count);
+- ``GGML_CPU_LLAMAFILE=0`` turns tinyBLAS off for a CPU variant where it
+  rounds differently from ``vec_dot``;
+- ``GGML_CPU_TILED_DOT=1`` keeps the tiled K-quant matmul for 8+ rows (it is
+  worth ~1.2x to prefill) and computes Q4_K / Q6_K rows below 8 with dots
+  that reproduce its arithmetic (``llama_tiled_dot.cpp``: exact integer
+  subblock sums, then its float steps in its order), so a row comes out the
+  same at any batch size. A type without such a dot is refused by the tiled
+  kernel and takes ``vec_dot`` at every row count, as under
+  ``GGML_CPU_TILED_MM=0``. AVX2 + FMA only; elsewhere the switch is the same
+  as ``GGML_CPU_TILED_MM=0``.
+
+Which switches a CPU variant needs is measured by
+``scripts/exactness_matrix.py``; the worker sets what the variant it loaded
+needs (``worker/engine/kernels.py``). Unset, the build behaves exactly like
+upstream. Each edit must match the
 source exactly once or the build stops: a new llama.cpp version cannot skip
 one silently.
 
@@ -68,6 +81,8 @@ static inline bool ggml_cpu_llamafile(void) {{
 }}
 """
 
+_TILED_DOT = (Path(__file__).resolve().parent / "llama_tiled_dot.cpp").read_text()
+
 # (file under vendor/llama.cpp, exact text, replacement)
 EDITS: list[tuple[str, str, str]] = [
     (
@@ -91,6 +106,45 @@ EDITS: list[tuple[str, str, str]] = [
         "ggml/src/ggml-cpu/ops.cpp",
         "    const bool use_ref = params->use_ref;\n",
         "    const bool use_ref = params->use_ref || ggml_cpu_fa_one_row();\n",
+    ),
+    # GGML_CPU_TILED_DOT=1: K-quant dots in the tiled kernel's numerics below 8 rows
+    # (llama_tiled_dot.cpp), the tiled kernel from 8 rows; a type without such a dot
+    # is refused by the tiled kernel, so vec_dot computes it at every row count.
+    (
+        "ggml/src/ggml-cpu/tiled/tiled.h",
+        '#ifdef __cplusplus\nextern "C" {\n#endif\n',
+        '#include "ggml-cpu.h"\n\n#ifdef __cplusplus\nextern "C" {\n#endif\n\n'
+        "// skiff: with GGML_CPU_TILED_DOT=1, the vec_dot computing a row of TYPE exactly as the\n"
+        "// tiled kernel does, or NULL (the switch off, the type not covered)\n"
+        "ggml_vec_dot_t ggml_tiled_vec_dot(enum ggml_type type);\n",
+    ),
+    (
+        "ggml/src/ggml-cpu/tiled/tiled.cpp",
+        "// GGML_CPU_TILED_MM: master switch, on by default.",
+        _TILED_DOT + "\n// GGML_CPU_TILED_MM: master switch, on by default.",
+    ),
+    (
+        "ggml/src/ggml-cpu/tiled/tiled.cpp",
+        "    if (src0->extra != NULL) {\n        return false;\n    }\n",
+        "    if (src0->extra != NULL) {\n        return false;\n    }\n"
+        "    if (ggml_cpu_tiled_dot() && ggml_tiled_vec_dot(src0->type) == NULL) {\n"
+        "        return false;\n    }\n",
+    ),
+    (
+        "ggml/src/ggml-cpu/ggml-cpu.c",
+        "    ggml_vec_dot_t const vec_dot      = type_traits_cpu[type].vec_dot;\n",
+        "    ggml_vec_dot_t const vec_dot      = ggml_tiled_vec_dot(type)"
+        " ? ggml_tiled_vec_dot(type)\n"
+        "                                                             "
+        ": type_traits_cpu[type].vec_dot;\n",
+    ),
+    (
+        "ggml/src/ggml-cpu/ggml-cpu.c",
+        "    ggml_vec_dot_t    const vec_dot      = type_traits_cpu[type].vec_dot;\n",
+        "    ggml_vec_dot_t    const vec_dot      = ggml_tiled_vec_dot(type)"
+        " ? ggml_tiled_vec_dot(type)\n"
+        "                                                                "
+        ": type_traits_cpu[type].vec_dot;\n",
     ),
 ]
 
