@@ -7,7 +7,8 @@ B = 1, 4, 8 lanes (one token each per forward, each lane with ``--context``
 tokens of KV) and prefill tok/s (512-token chunks) under each rule: the
 worker's (``exact``), upstream's paths (``upstream``), and alternatives
 (``strict``: no tinyBLAS either; ``tiled-force``: the tiled K-quant matmul for
-every row count). ggml reads the switches once per process, so each rule
+every row count; ``vec-dot``: the exact rule before the tiled-dot one, every
+K-quant row through ``vec_dot``). ggml reads the switches once per process, so each rule
 runs in its own child; rounds alternate so drift hits all, and the table
 gives medians and the ratio of each rule to the last one named.
 
@@ -35,6 +36,7 @@ RULES: dict[str, dict[str, bool] | None] = {
     "exact": None,
     "strict": {"llamafile": False},
     "tiled-force": {"tiled_mm_force": True, "llamafile": True},
+    "vec-dot": {"llamafile": True},  # the exact rule before tiled-dot
 }
 
 

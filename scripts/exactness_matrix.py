@@ -53,6 +53,7 @@ KNOWN = ("unified",)
 RULES = {
     "tinyblas": {"llamafile": True},
     "strict": {"llamafile": False},
+    "tiled-dot": {"llamafile": True, "tiled_dot": True},
     "upstream": {"fa_one_row": False, "tiled_mm": True, "llamafile": True},
 }
 

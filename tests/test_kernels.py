@@ -44,6 +44,25 @@ def test_avx_only_levels_and_unmeasured_ones_get_the_strict_rule() -> None:
         assert rule.fa_one_row and not rule.tiled_mm and not rule.tiled_mm_force
 
 
+def test_the_tiled_dot_rule_only_where_the_matrix_measured_it() -> None:
+    """The tiled K-quant matmul comes back (from 8 rows) only with the dots
+    that compute fewer rows as it does, and only at levels with AVX2 + FMA
+    where every claim was measured exact with it (docs/exactness.md)."""
+    assert {lvl for lvl in FEATURES if kernels.rule_for(lvl).tiled_dot} == {
+        "haswell",
+        "skylakex",
+        "cannonlake",
+        "cascadelake",
+        "icelake",
+        "cooperlake",
+        "zen4",
+    }
+    env = kernels.TILED_DOT.env()
+    assert env["GGML_CPU_TILED_MM"] == "1" and env["GGML_CPU_TILED_DOT"] == "1"
+    assert env["GGML_CPU_TILED_MM_FORCE"] == "0" and env["GGML_CPU_FA_ONE_ROW"] == "1"
+    assert kernels.TINYBLAS.env()["GGML_CPU_TILED_MM"] == "0"
+
+
 def test_info_reports_the_rule_in_force() -> None:
     described = kernels.describe("portable", FEATURES["ivybridge"], invariant=True)
     assert described["level"] == "ivybridge" and described["rule"]["llamafile"] is False
@@ -53,4 +72,5 @@ def test_info_reports_the_rule_in_force() -> None:
         "tiled_mm": True,
         "tiled_mm_force": False,
         "llamafile": True,
+        "tiled_dot": False,
     }

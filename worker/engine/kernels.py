@@ -12,6 +12,8 @@ variables ggml reads once, at its first use of each path:
 - ``GGML_CPU_FA_ONE_ROW=1``: the one-row flash-attention loop for every row
   (always on: nothing else is exact past 512 cells or across a migration);
 - ``GGML_CPU_TILED_MM=0``: no tiled K-quant matmul (upstream's own switch);
+- ``GGML_CPU_TILED_DOT=1``: the tiled K-quant matmul from 8 rows, and below
+  8 rows dots that compute a row exactly as it does (AVX2 + FMA levels);
 - ``GGML_CPU_LLAMAFILE=0``: no tinyBLAS, where the variant needs it.
 
 The rule per x86 level comes from ``scripts/exactness_matrix.py`` (every
@@ -39,38 +41,41 @@ class KernelRule:
     tiled_mm: bool = False
     tiled_mm_force: bool = False  # the tiled K-quant matmul for every row count, one included
     llamafile: bool = False
+    # the tiled K-quant matmul from 8 rows and, below, dots in its numerics
+    # (scripts/llama_tiled_dot.cpp); a type without such a dot takes vec_dot
+    tiled_dot: bool = False
 
     def env(self) -> dict[str, str]:
         return {
             "GGML_CPU_FA_ONE_ROW": "1" if self.fa_one_row else "0",
-            "GGML_CPU_TILED_MM": "1" if self.tiled_mm or self.tiled_mm_force else "0",
+            "GGML_CPU_TILED_MM": "1"
+            if any((self.tiled_mm, self.tiled_mm_force, self.tiled_dot))
+            else "0",
             "GGML_CPU_TILED_MM_FORCE": "1" if self.tiled_mm_force else "0",
+            "GGML_CPU_TILED_DOT": "1" if self.tiled_dot else "0",
             "GGML_CPU_LLAMAFILE": "1" if self.llamafile else "0",
         }
 
 
 STRICT = KernelRule()
 TINYBLAS = KernelRule(llamafile=True)
+# tinyBLAS kept, and the tiled K-quant matmul back for 8+ rows: below 8 rows
+# the patched ggml computes Q4_K / Q6_K rows with dots in the tiled kernel's
+# own numerics, so a row is computed the same way at any batch size (prefill
+# ~1.2x the vec_dot rule, decode level; docs/exactness.md).
+TILED_DOT = KernelRule(llamafile=True, tiled_dot=True)
 # Measured by scripts/exactness_matrix.py (docs/exactness.md). Every claim
 # holds with tinyBLAS on at these levels (it computes Q8_0 / Q5_0 elements as
 # vec_dot does), so it stays on; at the AVX-only levels tinyBLAS rounds
 # differently (a 16-row span 0.6-1.0 logits off), so they need STRICT. A
 # level not listed (alderlake: AVX-VNNI, not runnable on the hosts measured)
-# gets STRICT until the matrix has run on it.
+# gets STRICT until the matrix has run on it. TILED_DOT needs AVX2 + FMA and
+# is given where the matrix has run with it.
 _MEASURED: dict[str, KernelRule] = {
+    **dict.fromkeys(("x64", "sse42"), TINYBLAS),
     **dict.fromkeys(
-        (
-            "x64",
-            "sse42",
-            "haswell",
-            "skylakex",
-            "cannonlake",
-            "cascadelake",
-            "icelake",
-            "cooperlake",
-            "zen4",
-        ),
-        TINYBLAS,
+        ("haswell", "skylakex", "cannonlake", "cascadelake", "icelake", "cooperlake", "zen4"),
+        TILED_DOT,
     ),
     **dict.fromkeys(("sandybridge", "ivybridge", "piledriver"), STRICT),
 }

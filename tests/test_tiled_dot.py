@@ -1,0 +1,96 @@
+"""The tiled-dot rule (``GGML_CPU_TILED_DOT``, scripts/llama_tiled_dot.cpp):
+ggml's tiled K-quant matmul takes 8+ rows and the patched dots take fewer,
+so the batched exactness tests only mean something if the two really are
+different kernels that compute a row the same way.
+
+ggml reads its switches once per process, so each rule runs in a child of
+its own on the default model (Q4_K and Q6_K weights): 8 tokens of one
+session in one forward (the tiled kernel) and the same 8 one at a time (the
+dots), logits hashed row by row. By logits, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from worker.engine import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHILD = """
+import hashlib, json, sys
+sys.path.insert(0, {root!r})
+from worker.engine import Engine, EngineConfig, Segment, kernels
+from worker.models import default_model_path
+
+rule = kernels.KernelRule(**json.loads(sys.argv[1]))
+cfg = EngineConfig(str(default_model_path()), n_ctx=1024, n_seq=1, n_threads=2, kernel_rule=rule)
+e = Engine(cfg)
+toks = e.tokenize(open({readme!r}).read())
+n, k = 120, 8
+h = lambda row: hashlib.sha256(row.tobytes()).hexdigest()
+assert e.decode([Segment(0, toks[:n], 0, "none")]).ok
+assert e.decode([Segment(0, toks[n : n + k], n, "all")]).ok
+span = [h(e.logits_row(e.output_index(0, i))) for i in range(k)]
+e.seq_rm(0, n, -1)
+single = []
+for i in range(k):
+    assert e.decode([Segment(0, [toks[n + i]], n + i, "last")]).ok
+    single.append(h(e.logits_row(e.output_index(0))))
+print(json.dumps({{"span": span, "single": single, "level": kernels.backend_cpu()["level"]}}))
+"""
+
+
+def _rows(rule: kernels.KernelRule) -> dict[str, list[str]]:
+    code = _CHILD.format(root=str(ROOT), readme=str(ROOT / "README.md"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(asdict(rule))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out: dict[str, list[str]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict[str, list[str]]]:
+    tiled_dot = _rows(kernels.TILED_DOT)
+    level = str(tiled_dot["level"])
+    if kernels.rule_for(level) != kernels.TILED_DOT:  # no AVX2 + FMA: no dots to check
+        pytest.skip(f"this host's level ({level}) does not use the tiled-dot rule")
+    return {
+        "tiled_dot": tiled_dot,
+        "vec_dot": _rows(kernels.TINYBLAS),
+        "tiled_everywhere": _rows(kernels.KernelRule(llamafile=True, tiled_mm_force=True)),
+    }
+
+
+def test_rows_in_a_span_of_eight_equal_rows_one_at_a_time(
+    runs: dict[str, dict[str, list[str]]],
+) -> None:
+    got = runs["tiled_dot"]
+    assert got["span"] == got["single"]
+
+
+def test_the_dots_compute_as_the_tiled_kernel_does_at_one_row(
+    runs: dict[str, dict[str, list[str]]],
+) -> None:
+    assert runs["tiled_dot"]["single"] == runs["tiled_everywhere"]["single"]
+    assert runs["tiled_dot"]["span"] == runs["tiled_everywhere"]["span"]
+
+
+def test_the_switch_takes_another_kernel_than_vec_dot(
+    runs: dict[str, dict[str, list[str]]],
+) -> None:
+    """Without this the two tests above could pass with the switch ignored
+    (a build without the patch, or the tiled kernel never taken)."""
+    assert set(runs["tiled_dot"]["single"]).isdisjoint(runs["vec_dot"]["single"])
