@@ -235,7 +235,8 @@ def main() -> int:
     parser.add_argument(
         "--systems",
         default="skiff,skiff-upstream,llama-server",
-        help="skiff (default flags), skiff-upstream (--kernels upstream), llama-server",
+        help="skiff (default flags), skiff-upstream (--kernels upstream), "
+        "skiff-nospec (--speculate off), llama-server",
     )
     parser.add_argument("--cold-prefix", action="store_true", help="also the 1,000-token TTFT")
     parser.add_argument("--json", dest="json_path")
@@ -256,6 +257,9 @@ def main() -> int:
         "skiff": lambda: Skiff(model, shlex.split(args.skiff_args)),
         "skiff-upstream": lambda: Skiff(
             model, ["--kernels", "upstream", *shlex.split(args.skiff_args)], "skiff-upstream"
+        ),
+        "skiff-nospec": lambda: Skiff(
+            model, ["--speculate", "off", *shlex.split(args.skiff_args)], "skiff-nospec"
         ),
         "llama-server": lambda: LlamaServer(binary, model),
     }
@@ -310,7 +314,7 @@ def _token_ids(
 
 def report(results: dict[str, dict[str, dict[str, float]]]) -> None:
     peer = results.get("llama-server", {})
-    for name in ("skiff", "skiff-upstream"):
+    for name in ("skiff", "skiff-upstream", "skiff-nospec"):
         if name in results:
             _table(name, results[name], peer)
     for name, rows in results.items():

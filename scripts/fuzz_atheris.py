@@ -129,7 +129,7 @@ class FakeApp:
         self.projector = None  # no --mmproj: media ops answer unsupported
         self.chunk = 128
         self.draining = False
-        self.speculate_streams: int | None = 4  # the worker's default --speculate auto
+        self.speculate_streams: int | None = 2  # the worker's default --speculate auto
         self.span_rows = 33
         try:
             from worker.limits import Limits

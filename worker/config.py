@@ -56,7 +56,7 @@ class WorkerConfig:
     # generations that ask for no speculation: "auto" = prompt lookup while at
     # most speculate_streams streams decode in a forward; "off" = never
     speculate: str = "auto"
-    speculate_streams: int = 4
+    speculate_streams: int = 2
     layers: str = ""  # "LO:HI": serve only these layers (a pipeline stage); "" = all
     next: str = ""  # the next stage's endpoint (a stage without the last layer)
     frame_dtype: str = "f32"  # hidden rows sent to the next stage: f32 (exact) or f16
