@@ -2,7 +2,9 @@
 
 Both systems serve the packaged model with 2 threads and 8 lanes / slots
 (``--parallel 8``, 8192 cells), greedy, EOS ignored, 128 new tokens per
-request, streamed. One system runs at a time (2 noisy cores). Every user is a
+request, streamed. All systems are up at once, one runs at a time (2 noisy
+cores), and each workload runs on every system back to back, the order
+alternating, so a cell's ratio compares runs seconds apart. Every user is a
 thread sending its requests one after another (closed loop):
 
   distinct   every prompt is new (nothing a cache could reuse)
@@ -263,28 +265,35 @@ def main() -> int:
         ),
         "llama-server": lambda: LlamaServer(binary, model),
     }
-    for make in (makers[name] for name in args.systems.split(",")):
-        system = make()
-        try:
-            system.complete(prompts[-1])  # warm-up
-            out = results.setdefault(system.name, {})
-            per_run = max(levels) * REQUESTS
-            for i, (scenario, arrival, c) in enumerate(runs):
-                own = prompts[i * per_run : (i + 1) * per_run]
-                res = run(system, scenario, c, arrivals[arrival], own, follow)
-                key = f"{scenario} {arrival} c={c}"
-                out[key] = res.row()
+    # Every system is up at once and each workload runs on all of them back to
+    # back (the order alternating from one workload to the next), so the ratio
+    # of a cell compares runs seconds apart: on a shared host the speed of the
+    # machine drifts by 20% over the minutes a whole pass takes.
+    systems: list[Any] = []
+    try:
+        for name in args.systems.split(","):
+            systems.append(makers[name]())
+            systems[-1].complete(prompts[-1])  # warm-up
+        per_run = max(levels) * REQUESTS
+        for i, (scenario, arrival, c) in enumerate(runs):
+            own = prompts[i * per_run : (i + 1) * per_run]
+            key = f"{scenario} {arrival} c={c}"
+            for system in systems if i % 2 == 0 else systems[::-1]:
+                out = results.setdefault(system.name, {})
+                out[key] = run(system, scenario, c, arrivals[arrival], own, follow).row()
                 print(f"  {system.name:<13} {key:<24} {out[key]['tok_s']:6.1f} tok/s "
                       f"TTFT p50 {out[key]['ttft_p50']:7.1f} ms  ITL p50/p99 "
                       f"{out[key]['itl_p50']:6.1f}/{out[key]['itl_p99']:7.1f} ms",
                       file=sys.stderr, flush=True)  # fmt: skip
-            if args.cold_prefix:
+        if args.cold_prefix:
+            for system in systems:
                 cold, warm = cold_vs_cached(system, prefix, tails)
-                out["cached 1000-token prefix"] = {
+                results.setdefault(system.name, {})["cached 1000-token prefix"] = {
                     "cold_ttft": cold * 1000,
                     "warm_ttft": warm * 1000,
                 }
-        finally:
+    finally:
+        for system in systems:
             system.close()
     report(results)
     if args.json_path:
