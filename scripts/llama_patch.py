@@ -83,6 +83,19 @@ static inline bool ggml_cpu_llamafile(void) {{
 
 _TILED_DOT = (Path(__file__).resolve().parent / "llama_tiled_dot.cpp").read_text()
 
+
+def _vec_dot_edit(gap: str) -> tuple[str, str, str]:
+    """The edit that lets the tiled dots replace ``vec_dot`` in a line
+    declared with ``gap`` between the type and ``const``."""
+    head = f"    ggml_vec_dot_t{gap}const vec_dot      = "
+    return (
+        "ggml/src/ggml-cpu/ggml-cpu.c",
+        f"{head}type_traits_cpu[type].vec_dot;\n",
+        f"{head}ggml_tiled_vec_dot(type) ? ggml_tiled_vec_dot(type)\n"
+        f"{' ' * (len(head) + 21)}: type_traits_cpu[type].vec_dot;\n",
+    )
+
+
 # (file under vendor/llama.cpp, exact text, replacement)
 EDITS: list[tuple[str, str, str]] = [
     (
@@ -130,22 +143,8 @@ EDITS: list[tuple[str, str, str]] = [
         "    if (ggml_cpu_tiled_dot() && ggml_tiled_vec_dot(src0->type) == NULL) {\n"
         "        return false;\n    }\n",
     ),
-    (
-        "ggml/src/ggml-cpu/ggml-cpu.c",
-        "    ggml_vec_dot_t const vec_dot      = type_traits_cpu[type].vec_dot;\n",
-        "    ggml_vec_dot_t const vec_dot      = ggml_tiled_vec_dot(type)"
-        " ? ggml_tiled_vec_dot(type)\n"
-        "                                                             "
-        ": type_traits_cpu[type].vec_dot;\n",
-    ),
-    (
-        "ggml/src/ggml-cpu/ggml-cpu.c",
-        "    ggml_vec_dot_t    const vec_dot      = type_traits_cpu[type].vec_dot;\n",
-        "    ggml_vec_dot_t    const vec_dot      = ggml_tiled_vec_dot(type)"
-        " ? ggml_tiled_vec_dot(type)\n"
-        "                                                                "
-        ": type_traits_cpu[type].vec_dot;\n",
-    ),
+    # mul_mat's and mul_mat_id's choice of vec_dot (two spellings of one line)
+    *(_vec_dot_edit(gap) for gap in (" ", "    ")),
 ]
 
 
