@@ -145,7 +145,7 @@ _OPTIONS: list[tuple[str, type, str]] = [
         "kernels",
         str,
         "exact: every row computed as if alone (logits independent of batch, chunking, "
-        "threads, migration); upstream: llama.cpp's own paths (prefill ~1.2x faster, "
+        "threads, migration); upstream: llama.cpp's own paths (prefill ~1.2-1.4x faster, "
         "logits depend on the batch, as in llama-server)",
     ),
     ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),

@@ -62,7 +62,8 @@ TINYBLAS = KernelRule(llamafile=True)
 # tinyBLAS kept, and the tiled K-quant matmul back for 8+ rows: below 8 rows
 # the patched ggml computes Q4_K / Q6_K rows with dots in the tiled kernel's
 # own numerics, so a row is computed the same way at any batch size (prefill
-# ~1.2x the vec_dot rule, decode level; docs/exactness.md).
+# 1.1-1.25x the vec_dot rule, decode level at 8+ rows and a few % below that
+# at fewer; docs/exactness.md).
 TILED_DOT = KernelRule(llamafile=True, tiled_dot=True)
 # Measured by scripts/exactness_matrix.py (docs/exactness.md). Every claim
 # holds with tinyBLAS on at these levels (it computes Q8_0 / Q5_0 elements as
