@@ -10,7 +10,8 @@ alone with ``--tuned``), runs the claims at the engine
 level in a child process per variant and rule, and prints a table of
 variant x claim -> max abs logit diff (0 is exact), then the rule each
 variant needs: the switches of ``worker/engine/kernels.py`` under which
-every claim holds (tinyBLAS kept where it computes as ``vec_dot`` does).
+every claim holds, cheapest first: ``tiled-dot`` (the tiled K-quant matmul
+with its dots), then ``tinyblas``, then ``strict``.
 
 Claims, each at every ``--lengths`` N of KV before the checked rows:
 - ``batch``: lanes decoded in one forward (B = 2, 5, 8) vs each alone;
@@ -276,7 +277,7 @@ def main() -> None:
     table: list[dict[str, Any]] = []
     for name, py, backend in runs:
         needs = "?"
-        for rule in ("tinyblas", "strict"):
+        for rule in ("tiled-dot", "tinyblas", "strict"):
             res = _run_child(py, backend, rule, lengths)
             table.append({"variant": name, "rule": rule, **res})
             if res.get("unsupported"):
