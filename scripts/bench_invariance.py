@@ -7,13 +7,16 @@ B = 1, 4, 8 lanes (one token each per forward, each lane with ``--context``
 tokens of KV) and prefill tok/s (512-token chunks) under each rule: the
 worker's (``exact``), upstream's paths (``upstream``), and alternatives
 (``strict``: no tinyBLAS either; ``tiled-force``: the tiled K-quant matmul for
-every row count; ``vec-dot``: the exact rule before the tiled-dot one, every
-K-quant row through ``vec_dot``). ggml reads the switches once per process, so each rule
-runs in its own child; rounds alternate so drift hits all, and the table
-gives medians and the ratio of each rule to the last one named.
+every row count; ``tiled-dot``: the exact rule before the rows-at-once
+attention (``fa-rows``, scripts/llama_fa_rows.cpp); ``tiled-fa``: its
+matmuls with upstream's attention, not exact; ``vec-dot``: the exact rule
+before the tiled-dot one, every K-quant row through ``vec_dot``). ggml
+reads the switches once per process, so each rule runs in its own child;
+rounds alternate so drift hits all, and the table gives medians and the
+ratio of each rule to the last one named.
 
     .venv/bin/python scripts/bench_invariance.py [--rounds 3] [--context 300]
-        [--rules exact,strict,tiled-force,upstream]
+        [--rules exact,tiled-dot,strict,tiled-force,tiled-fa,upstream]
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ RULES: dict[str, dict[str, bool] | None] = {
     "exact": None,
     "strict": {"llamafile": False},
     "tiled-force": {"tiled_mm_force": True, "llamafile": True},
+    "tiled-dot": {"llamafile": True, "tiled_dot": True},
     "vec-dot": {"llamafile": True},  # the exact rule before tiled-dot
+    "fa-rows": {"llamafile": True, "tiled_dot": True, "fa_rows": True},
+    # tiled-dot's matmuls with upstream's flash attention (not exact): what
+    # the batch-invariant attention costs against upstream's
+    "tiled-fa": {"llamafile": True, "tiled_dot": True, "fa_one_row": False},
 }
 
 

@@ -10,7 +10,8 @@ alone with ``--tuned``), runs the claims at the engine
 level in a child process per variant and rule, and prints a table of
 variant x claim -> max abs logit diff (0 is exact), then the rule each
 variant needs: the switches of ``worker/engine/kernels.py`` under which
-every claim holds, cheapest first: ``tiled-dot`` (the tiled K-quant matmul
+every claim holds, cheapest first: ``fa-rows`` (``tiled-dot`` with the
+rows-at-once attention), ``tiled-dot`` (the tiled K-quant matmul
 with its dots), then ``tinyblas``, then ``strict``.
 
 Claims, each at every ``--lengths`` N of KV before the checked rows:
@@ -55,6 +56,7 @@ RULES = {
     "tinyblas": {"llamafile": True},
     "strict": {"llamafile": False},
     "tiled-dot": {"llamafile": True, "tiled_dot": True},
+    "fa-rows": {"llamafile": True, "tiled_dot": True, "fa_rows": True},
     "upstream": {"fa_one_row": False, "tiled_mm": True, "llamafile": True},
 }
 
@@ -277,7 +279,7 @@ def main() -> None:
     table: list[dict[str, Any]] = []
     for name, py, backend in runs:
         needs = "?"
-        for rule in ("tiled-dot", "tinyblas", "strict"):
+        for rule in ("fa-rows", "tiled-dot", "tinyblas", "strict"):
             res = _run_child(py, backend, rule, lengths)
             table.append({"variant": name, "rule": rule, **res})
             if res.get("unsupported"):

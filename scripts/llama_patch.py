@@ -20,7 +20,7 @@ shape of the batch:
   all reduce in different orders. This is what made a migrated session past
   the 512-token sliding window continue with other logits.
 
-The patch adds three switches, environment variables read once per process
+The patch adds four switches, environment variables read once per process
 (upstream already has ``GGML_CPU_TILED_MM=0`` / ``GGML_CPU_TILED_MM_FORCE=1``
 for the tiled K-quant matmul):
 
@@ -38,6 +38,13 @@ for the tiled K-quant matmul):
   kernel and takes ``vec_dot`` at every row count, as under
   ``GGML_CPU_TILED_MM=0``. AVX2 + FMA only; elsewhere the switch is the same
   as ``GGML_CPU_TILED_MM=0``.
+
+- ``GGML_CPU_FA_ROWS=1`` (with ``GGML_CPU_FA_ONE_ROW=1``) computes attention
+  for several query rows at once where the layer allows (F16 K/V, no
+  softcap or sinks, AVX2 + FMA + F16C; ``llama_fa_rows.cpp``): each row's
+  scores, their exact max, and its fp32 sums over its own unmasked cells in
+  cell order, so a row's bits do not depend on the rows beside it; the
+  rows share each K and V load. Elsewhere the one-row loop runs, as before.
 
 Which switches a CPU variant needs is measured by
 ``scripts/exactness_matrix.py``; the worker sets what the variant it loaded
@@ -82,6 +89,7 @@ static inline bool ggml_cpu_llamafile(void) {{
 """
 
 _TILED_DOT = (Path(__file__).resolve().parent / "llama_tiled_dot.cpp").read_text()
+_FA_ROWS = (Path(__file__).resolve().parent / "llama_fa_rows.cpp").read_text()
 
 
 def _vec_dot_edit(gap: str) -> tuple[str, str, str]:
@@ -145,6 +153,29 @@ EDITS: list[tuple[str, str, str]] = [
     ),
     # mul_mat's and mul_mat_id's choice of vec_dot (two spellings of one line)
     *(_vec_dot_edit(gap) for gap in (" ", "    ")),
+    # GGML_CPU_FA_ROWS=1 (with GGML_CPU_FA_ONE_ROW=1): the rows-at-once batch-invariant
+    # attention (llama_fa_rows.cpp) where it covers the layer, else the one-row loop
+    (
+        "ggml/src/ggml-cpu/ops.cpp",
+        "static void ggml_compute_forward_flash_attn_ext_f16(\n",
+        _FA_ROWS + "\nstatic void ggml_compute_forward_flash_attn_ext_f16(\n",
+    ),
+    (
+        "ggml/src/ggml-cpu/ops.cpp",
+        "        bool use_tiled = !use_ref &&\n",
+        "        const bool use_rows = use_ref && ggml_cpu_fa_rows()"
+        " && ggml_fa_rows_supported(dst);\n"
+        "        bool use_tiled = !use_ref &&\n",
+    ),
+    (
+        "ggml/src/ggml-cpu/ops.cpp",
+        "                ggml_compute_forward_flash_attn_ext_tiled(params, dst, ir0, ir1);\n"
+        "            } else {\n",
+        "                ggml_compute_forward_flash_attn_ext_tiled(params, dst, ir0, ir1);\n"
+        "            } else if (use_rows) {\n"
+        "                ggml_fa_rows(params, dst, ir0, ir1);\n"
+        "            } else {\n",
+    ),
 ]
 
 

@@ -57,6 +57,12 @@ def test_the_tiled_dot_rule_only_where_the_matrix_measured_it() -> None:
         "cooperlake",
         "zen4",
     }
+    assert {lvl for lvl in FEATURES if kernels.rule_for(lvl).fa_rows} == {
+        lvl for lvl in FEATURES if kernels.rule_for(lvl).tiled_dot
+    }
+    env = kernels.FA_ROWS.env()
+    assert env["GGML_CPU_FA_ROWS"] == "1" and env["GGML_CPU_FA_ONE_ROW"] == "1"
+    assert kernels.TILED_DOT.env()["GGML_CPU_FA_ROWS"] == "0"
     env = kernels.TILED_DOT.env()
     assert env["GGML_CPU_TILED_MM"] == "1" and env["GGML_CPU_TILED_DOT"] == "1"
     assert env["GGML_CPU_TILED_MM_FORCE"] == "0" and env["GGML_CPU_FA_ONE_ROW"] == "1"
@@ -73,4 +79,5 @@ def test_info_reports_the_rule_in_force() -> None:
         "tiled_mm_force": False,
         "llamafile": True,
         "tiled_dot": False,
+        "fa_rows": False,
     }

@@ -79,7 +79,7 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs() -> Runs:
     tiled_dot = _rows(kernels.TILED_DOT)
-    dots = kernels.rule_for(str(tiled_dot["level"])) == kernels.TILED_DOT
+    dots = kernels.rule_for(str(tiled_dot["level"])).tiled_dot
     forced = kernels.KernelRule(llamafile=True, tiled_mm_force=True)
     return Runs(tiled_dot, _rows(kernels.TINYBLAS), _rows(forced) if dots else None)
 

@@ -14,7 +14,10 @@ variables ggml reads once, at its first use of each path:
 - ``GGML_CPU_TILED_MM=0``: no tiled K-quant matmul (upstream's own switch);
 - ``GGML_CPU_TILED_DOT=1``: the tiled K-quant matmul from 8 rows, and below
   8 rows dots that compute a row exactly as it does (AVX2 + FMA levels);
-- ``GGML_CPU_LLAMAFILE=0``: no tinyBLAS, where the variant needs it.
+- ``GGML_CPU_LLAMAFILE=0``: no tinyBLAS, where the variant needs it;
+- ``GGML_CPU_FA_ROWS=1`` (with the one-row switch): attention for several
+  query rows at once, each row computed as if alone (F16 KV cache, AVX2 +
+  FMA + F16C; any other layer keeps the one-row loop).
 
 The rule per x86 level comes from ``scripts/exactness_matrix.py`` (every
 claim, each variant this host can run; docs/exactness.md). A level not
@@ -44,6 +47,9 @@ class KernelRule:
     # the tiled K-quant matmul from 8 rows and, below, dots in its numerics
     # (scripts/llama_tiled_dot.cpp); a type without such a dot takes vec_dot
     tiled_dot: bool = False
+    # with fa_one_row: several query rows at once where the layer allows
+    # (scripts/llama_fa_rows.cpp), each row still computed as if alone
+    fa_rows: bool = False
 
     def env(self) -> dict[str, str]:
         return {
@@ -54,6 +60,7 @@ class KernelRule:
             "GGML_CPU_TILED_MM_FORCE": "1" if self.tiled_mm_force else "0",
             "GGML_CPU_TILED_DOT": "1" if self.tiled_dot else "0",
             "GGML_CPU_LLAMAFILE": "1" if self.llamafile else "0",
+            "GGML_CPU_FA_ROWS": "1" if self.fa_rows else "0",
         }
 
 
@@ -65,18 +72,24 @@ TINYBLAS = KernelRule(llamafile=True)
 # 1.1-1.25x the vec_dot rule, decode level at 8+ rows and a few % below that
 # at fewer; docs/exactness.md).
 TILED_DOT = KernelRule(llamafile=True, tiled_dot=True)
+# ... and attention rows at once (scripts/llama_fa_rows.cpp): a row's scores,
+# its exact max, and its fp32 sums over its own unmasked cells in cell order,
+# the same in any tile of rows; prefill ~1.35x the one-row loop, and past
+# upstream's tiled attention (docs/exactness.md).
+FA_ROWS = KernelRule(llamafile=True, tiled_dot=True, fa_rows=True)
 # Measured by scripts/exactness_matrix.py (docs/exactness.md). Every claim
 # holds with tinyBLAS on at these levels (it computes Q8_0 / Q5_0 elements as
 # vec_dot does), so it stays on; at the AVX-only levels tinyBLAS rounds
 # differently (a 16-row span 0.6-1.0 logits off), so they need STRICT. A
 # level not listed (alderlake: AVX-VNNI, not runnable on the hosts measured)
 # gets STRICT until the matrix has run on it. TILED_DOT needs AVX2 + FMA and
-# is given where the matrix has run with it.
+# is given where the matrix has run with it, with the rows-at-once attention
+# (FA_ROWS), measured exact at the same levels.
 _MEASURED: dict[str, KernelRule] = {
     **dict.fromkeys(("x64", "sse42"), TINYBLAS),
     **dict.fromkeys(
         ("haswell", "skylakex", "cannonlake", "cascadelake", "icelake", "cooperlake", "zen4"),
-        TILED_DOT,
+        FA_ROWS,
     ),
     **dict.fromkeys(("sandybridge", "ivybridge", "piledriver"), STRICT),
 }

@@ -1,0 +1,99 @@
+"""The rows-at-once attention (``GGML_CPU_FA_ROWS``, scripts/llama_fa_rows.cpp).
+
+The worker's exactness suites run under it already (it is the rule at every
+AVX2 + FMA level); these tests make sure they mean something: that the
+switch really takes another kernel than the one-row loop, and that the
+kernel computes a row the same way whether it shares a tile of rows (a
+prompt piece) or runs alone (decode), on both sides of Gemma 3's 512-token
+sliding window.
+
+ggml reads its switches once per process, so each rule runs in a child of
+its own: a 560-token prompt, then 16 more tokens in one forward and the same
+16 one at a time, logits hashed row by row. By logits, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from worker.engine import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHILD = """
+import hashlib, json, sys
+sys.path.insert(0, {root!r})
+from worker.engine import Engine, EngineConfig, Segment, kernels
+from worker.models import default_model_path
+
+rule = kernels.KernelRule(**json.loads(sys.argv[1]))
+cfg = EngineConfig(str(default_model_path()), n_ctx=2048, n_seq=2, n_threads=2, kernel_rule=rule)
+e = Engine(cfg)
+toks = e.tokenize(open({readme!r}).read() * 4)
+h = lambda row: hashlib.sha256(row.tobytes()).hexdigest()
+out = {{"level": kernels.backend_cpu()["level"]}}
+for n in (120, 560):  # inside the sliding window, and past it
+    k = 16
+    e.seq_clear(0)
+    for at in range(0, n, 512):
+        assert e.decode([Segment(0, toks[at : min(at + 512, n)], at, "none")]).ok
+    assert e.decode([Segment(0, toks[n : n + k], n, "all")]).ok
+    span = [h(e.logits_row(e.output_index(0, i))) for i in range(k)]
+    e.seq_rm(0, n, -1)
+    single = []
+    for i in range(k):
+        assert e.decode([Segment(0, [toks[n + i]], n + i, "last")]).ok
+        single.append(h(e.logits_row(e.output_index(0))))
+    out[str(n)] = {{"span": span, "single": single}}
+print(json.dumps(out))
+"""
+
+
+def _rows(rule: kernels.KernelRule) -> dict[str, object]:
+    code = _CHILD.format(root=str(ROOT), readme=str(ROOT / "README.md"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(asdict(rule))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, object], dict[str, object]]:
+    return _rows(kernels.FA_ROWS), _rows(kernels.TILED_DOT)
+
+
+@pytest.mark.parametrize("n", ["120", "560"])
+def test_a_row_in_a_tile_of_rows_equals_the_row_alone(
+    runs: tuple[dict[str, object], dict[str, object]], n: str
+) -> None:
+    got = runs[0][n]
+    assert isinstance(got, dict)
+    assert got["span"] == got["single"]
+
+
+def test_the_switch_takes_another_kernel_than_the_one_row_loop(
+    runs: tuple[dict[str, object], dict[str, object]],
+) -> None:
+    """Without this the test above could pass with the switch ignored (a
+    build without the patch); a level without the kernel (no AVX2 + FMA +
+    F16C) keeps the one-row loop, and nothing may differ there."""
+    rows, one_row = runs
+    for n in ("120", "560"):
+        a, b = rows[n], one_row[n]
+        assert isinstance(a, dict) and isinstance(b, dict)
+        if kernels.rule_for(str(rows["level"])).fa_rows:
+            assert set(a["single"]).isdisjoint(b["single"])
+        else:
+            assert a == b
