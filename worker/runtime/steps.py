@@ -329,10 +329,15 @@ class NgramIndex:
 
 # The worker's own drafts (--speculate auto), measured with
 # scripts/bench_speculate.py: a 5-token key finds fewer false matches than 3
-# in prose, and drafts of up to 32 (a job shares them with the forward's
-# other streams: ``MAX_SPAN_ROWS``) let quoting and repetition pay at length.
+# in prose. Drafts stay short because a span's forward is a gap in the
+# stream: every row of it is scored with the whole head, ~0.35 of a plain
+# step each (measured, bench_vs_llama_server.py at c=1: the longest gap was
+# 8x the median step with drafts of up to 32, 3.5x with 8, 2.9x with 5),
+# and inter-token p99 is held to 3x the step. Long drafts did win more on
+# text quoted at length (up to ~20% there); a request can still ask for
+# them (``speculative.max_draft``).
 AUTO_NGRAM = 5
-AUTO_MAX_DRAFT = 32
+AUTO_MAX_DRAFT = 4
 
 
 class PromptLookup:
