@@ -145,8 +145,9 @@ _OPTIONS: list[tuple[str, type, str]] = [
         "kernels",
         str,
         "exact: every row computed as if alone (logits independent of batch, chunking, "
-        "threads, migration); upstream: llama.cpp's own paths (prefill ~1.2-1.4x faster, "
-        "logits depend on the batch, as in llama-server)",
+        "threads, migration); upstream: llama.cpp's own paths (no faster where measured: "
+        "exact prefill was 1.2x upstream's, decode level; logits depend on the batch, as in "
+        "llama-server)",
     ),
     ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),
     ("session-idle-s", float, "drop named sessions unused this long (frees lanes of gone peers)"),
