@@ -14,17 +14,10 @@ its own: a 560-token prompt, then 16 more tokens in one forward and the same
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from dataclasses import asdict
-from pathlib import Path
-
+import _rule_child
 import pytest
 
 from worker.engine import kernels
-
-ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = """
 import hashlib, json, sys
@@ -56,17 +49,7 @@ print(json.dumps(out))
 
 
 def _rows(rule: kernels.KernelRule) -> dict[str, object]:
-    code = _CHILD.format(root=str(ROOT), readme=str(ROOT / "README.md"))
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(asdict(rule))],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
+    return _rule_child.run(_CHILD, rule)
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,12 @@ dots), logits hashed row by row. By logits, bit for bit.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
+import _rule_child
 import pytest
 
 from worker.engine import kernels
-
-ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = """
 import hashlib, json, sys
@@ -48,17 +43,7 @@ print(json.dumps({{"span": span, "single": single, "level": kernels.backend_cpu(
 
 
 def _rows(rule: kernels.KernelRule) -> dict[str, list[str]]:
-    code = _CHILD.format(root=str(ROOT), readme=str(ROOT / "README.md"))
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(asdict(rule))],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out: dict[str, list[str]] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
+    return _rule_child.run(_CHILD, rule)
 
 
 Rows = dict[str, list[str]]
