@@ -102,8 +102,8 @@ def test_among_lanes_as_good_an_empty_one_goes_before_a_cached_one() -> None:
 
 def test_a_cached_lane_holding_a_long_prompt_outweighs_one_more_run() -> None:
     """Evicting a cached lane costs its tokens' prefill when its prompt comes
-    back: a lane holding ``TOKENS_PER_RUN`` tokens or more weighs as one run
-    more per such block, so a short cached lane goes first even out of the
+    back: a lane holding more than ``TOKENS_PER_RUN`` tokens beyond another
+    outweighs one more run, so a short cached lane goes first even out of the
     run, and among cached lanes of equal weight the run still decides."""
     pool = LanePool(8, cache_limit=8)
     pool.admit(["a", "b", "c", "d"])  # lanes 0-3 held
@@ -121,3 +121,27 @@ def test_a_cached_lane_holding_a_long_prompt_outweighs_one_more_run() -> None:
     pool._cached[4] = [1] * 10
     (f,) = pool.admit(["f"])
     assert f.lane == 4
+
+
+def test_in_one_run_the_shortest_cached_prompt_goes_first() -> None:
+    """Lanes that keep the run alike, the one whose loss costs the fewest
+    tokens to recompute is evicted, whatever the order they were cached in;
+    and one more run outweighs a cached prompt shorter than a run's worth."""
+    pool = LanePool(8, cache_limit=8)
+    pool.admit(["a", "b", "c"])  # lanes 0-2 held
+    pool.release("a", keep=False)  # lanes 1, 2 held
+    pool._free.clear()
+    pool._cached[0] = [1] * (TOKENS_PER_RUN - 10)  # cached first (least recent), longer
+    for lane in range(3, 8):
+        pool._cached[lane] = [1] * (TOKENS_PER_RUN - 100)
+    (d,) = pool.admit(["d"])  # 0 and 3 both keep one run
+    assert d.lane == 3 and pool.take_evicted() == [3]
+    pool.release("d", keep=False)  # lanes 1, 2 held; 3 empty
+    pool._free.remove(3)
+    pool._cached[3] = [1] * (TOKENS_PER_RUN - 10)
+    pool._cached[4] = [1] * (TOKENS_PER_RUN - 10)
+    pool._free.extend([5, 6, 7])  # empty, but away from the run
+    for lane in (5, 6, 7):
+        del pool._cached[lane]
+    (e,) = pool.admit(["e"])
+    assert e.lane in (0, 3) and pool.take_evicted() == [e.lane]

@@ -15,16 +15,18 @@ prefill only what is new. Cached lanes are kept in LRU order, at most
 Which lane a new session gets matters for speed: llama.cpp computes a batch
 as one micro-batch per run of consecutive lanes (each lane is a KV stream,
 and a micro-batch spans consecutive streams), and every micro-batch reads
-all the weights again. Measured on Gemma 3 270M, 4 decode rows on lanes
-0-3 took 35 ms, on lanes 0, 2, 5, 7 (four micro-batches) 58 ms, more than
-8 rows on lanes 0-7 (49 ms). So a new session takes the lane that leaves
-the held lanes in the fewest runs, where a cached lane counts one run more
-for every ``TOKENS_PER_RUN`` tokens it holds (evicting it costs their
-prefill when its prompt comes back); among equals an empty lane before a
-cached one (its prefix may still be wanted), the least recently cached
-first, then the lowest. Why the weight: measured behind the gateway, a
-lane holding a 74-token prompt was evicted as readily as one holding 564,
-and the workers reused half the tokens that a perfect partition did.
+all the weights again. Measured on Gemma 3 270M (2 cores, AVX-512, exact
+kernels), 4 decode rows on lanes 0-3 took 31 ms, on lanes 0-2 and 7 (two
+micro-batches) 45 ms, on 0, 2, 4, 6 61 ms, more than 8 rows on lanes 0-7
+(47 ms). So a new session takes the lane with the lowest cost: the runs
+the held lanes would make, each worth ``TOKENS_PER_RUN`` tokens, plus the
+tokens a cached lane holds (evicting it costs their prefill when its
+prompt comes back); among equals the least recently cached first (an
+empty lane before any cached one), then the lowest. The shortest cached
+prompt goes first: measured behind the gateway, when lanes were weighed
+by runs alone a lane holding a 74-token prompt was evicted as readily as
+one holding 564, and the workers reused half the tokens that a perfect
+partition did.
 """
 
 from __future__ import annotations
@@ -40,11 +42,17 @@ from faults import LanesBusy, SessionNotActive
 
 SIGNAL_HISTORY = 4096
 
-# What a cached lane's tokens weigh against one more run of lanes when a new
-# session takes a lane: one more run costs ~8 ms a decode step (4 rows in 1
-# vs 4 runs: 35 vs 58 ms), ~0.5 s over a 64-token stream; recomputing 128
-# prompt tokens costs about as much (~250-500 tokens/s).
-TOKENS_PER_RUN = 128
+# What one more run of lanes weighs against a cached lane's tokens when a new
+# session takes a lane: one more run costs ~13 ms on every decode step of
+# every stream in the forward (4 rows: 31 ms in one run, 45 in two), ~0.8 s
+# over a 64-token stream and ~1.7 s over 128; recomputing a prompt costs
+# ~1.75 ms a token (~570 tokens/s with the exact kernels): a run is worth
+# ~500-1,000 tokens. It was 128 when prefill was 2-4x slower; then distinct
+# prompts arriving into 4 and 8 streams left the lanes in two runs and gave
+# 1.01-1.08 of llama-server's tok/s, against 1.16 / 1.11 with the prefix
+# cache off and 1.09-1.21 / 1.06-1.11 at 512-1,024 (docs/gateway.md has what
+# it changes behind the gateway).
+TOKENS_PER_RUN = 512
 
 
 @dataclass(frozen=True)
@@ -135,8 +143,8 @@ class LanePool:
         order = {lane: rank for rank, lane in enumerate(self._cached)}  # LRU first
 
         def key(lane: int) -> tuple[int, int, int]:
-            worth = len(self._cached[lane]) // TOKENS_PER_RUN if lane in self._cached else 0
-            return (runs(held | {lane}) + worth, order.get(lane, -1), lane)
+            worth = len(self._cached[lane]) if lane in self._cached else 0
+            return (runs(held | {lane}) * TOKENS_PER_RUN + worth, order.get(lane, -1), lane)
 
         lane = min([*self._free, *self._cached], key=key)
         if lane in self._cached:
