@@ -52,8 +52,9 @@ SIGNAL_HISTORY = 4096
 # 1.01-1.08 of llama-server's tok/s, against 1.16 / 1.11 with the prefix
 # cache off and 1.09-1.21 / 1.06-1.11 at 512-1,024 in runs of those cells
 # alone; a full run of the final build gave 1.04 / 1.01, so the gain is not
-# yet shown beyond the ~10% runs vary. What it does hold: the lanes stay in
-# one run (docs/gateway.md has what it changes behind the gateway).
+# yet shown beyond the ~10% runs vary, and a simulation of that closed loop
+# (completions in arrival order) kept one run under the old weight too. The
+# weight follows the measured costs (docs/gateway.md: behind the gateway).
 TOKENS_PER_RUN = 512
 
 
