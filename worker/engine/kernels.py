@@ -74,7 +74,7 @@ TINYBLAS = KernelRule(llamafile=True)
 TILED_DOT = KernelRule(llamafile=True, tiled_dot=True)
 # ... and attention rows at once (scripts/llama_fa_rows.cpp): a row's scores,
 # its exact max, and its fp32 sums over its own unmasked cells in cell order,
-# the same in any tile of rows; prefill ~1.35x the one-row loop, and past
+# the same in any tile of rows; prefill ~1.4x the one-row loop, and past
 # upstream's tiled attention (docs/exactness.md).
 FA_ROWS = KernelRule(llamafile=True, tiled_dot=True, fa_rows=True)
 # Measured by scripts/exactness_matrix.py (docs/exactness.md). Every claim
