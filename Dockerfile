@@ -21,7 +21,7 @@ ENV PATH=/opt/skiff/venv/bin:$PATH
 WORKDIR /src
 # The llama.cpp layer depends only on these two files, so source edits do not
 # rebuild it (it is the slow one: every CPU variant is compiled).
-COPY scripts/build_llama.py scripts/llama_patch.py scripts/llama_tiled_dot.cpp scripts/llama_fa_rows.cpp scripts/build_llama_portable.sh scripts/
+COPY scripts/build_llama.py scripts/llama_patch.py scripts/llama_tiled_dot.cpp scripts/llama_fa_rows.cpp scripts/llama_q8_gemm.cpp scripts/build_llama_portable.sh scripts/
 ARG BUILD_JOBS=
 RUN CMAKE_BUILD_PARALLEL_LEVEL=${BUILD_JOBS:-$(nproc)} PYTHON=/opt/skiff/venv/bin/python \
         scripts/build_llama_portable.sh /tmp/wheels /opt/skiff/ggml \

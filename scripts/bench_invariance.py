@@ -8,7 +8,8 @@ tokens of KV) and prefill tok/s (512-token chunks) under each rule: the
 worker's (``exact``), upstream's paths (``upstream``), and alternatives
 (``strict``: no tinyBLAS either; ``tiled-force``: the tiled K-quant matmul for
 every row count; ``tiled-dot``: the exact rule before the rows-at-once
-attention (``fa-rows``, scripts/llama_fa_rows.cpp); ``tiled-fa``: its
+attention (``fa-rows``, scripts/llama_fa_rows.cpp); ``q8-gemm``: that with
+the wide Q8_0 matmul (scripts/llama_q8_gemm.cpp); ``tiled-fa``: its
 matmuls with upstream's attention, not exact; ``vec-dot``: the exact rule
 before the tiled-dot one, every K-quant row through ``vec_dot``). ggml
 reads the switches once per process, so each rule runs in its own child;
@@ -42,6 +43,8 @@ RULES: dict[str, dict[str, bool] | None] = {
     "tiled-dot": {"llamafile": True, "tiled_dot": True},
     "vec-dot": {"llamafile": True},  # the exact rule before tiled-dot
     "fa-rows": {"llamafile": True, "tiled_dot": True, "fa_rows": True},
+    # fa-rows with the wide Q8_0 matmul (scripts/llama_q8_gemm.cpp; AVX-512 VNNI builds)
+    "q8-gemm": {"llamafile": True, "tiled_dot": True, "fa_rows": True, "q8_gemm": True},
     # tiled-dot's matmuls with upstream's flash attention (not exact): what
     # the batch-invariant attention costs against upstream's
     "tiled-fa": {"llamafile": True, "tiled_dot": True, "fa_one_row": False},

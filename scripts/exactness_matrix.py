@@ -10,7 +10,8 @@ alone with ``--tuned``), runs the claims at the engine
 level in a child process per variant and rule, and prints a table of
 variant x claim -> max abs logit diff (0 is exact), then the rule each
 variant needs: the switches of ``worker/engine/kernels.py`` under which
-every claim holds, cheapest first: ``fa-rows`` (``tiled-dot`` with the
+every claim holds, cheapest first: ``q8-gemm`` (``fa-rows`` with the wide
+Q8_0 matmul, where the variant has it), ``fa-rows`` (``tiled-dot`` with the
 rows-at-once attention), ``tiled-dot`` (the tiled K-quant matmul
 with its dots), then ``tinyblas``, then ``strict``.
 
@@ -57,6 +58,7 @@ RULES = {
     "strict": {"llamafile": False},
     "tiled-dot": {"llamafile": True, "tiled_dot": True},
     "fa-rows": {"llamafile": True, "tiled_dot": True, "fa_rows": True},
+    "q8-gemm": {"llamafile": True, "tiled_dot": True, "fa_rows": True, "q8_gemm": True},
     "upstream": {"fa_one_row": False, "tiled_mm": True, "llamafile": True},
 }
 
@@ -256,7 +258,12 @@ def main() -> None:
             sys.exit(3 if unsupported else 1)
         from worker.engine import kernels
 
-        out = {"claims": worst, "cpu": kernels.backend_cpu(), "seconds": time.monotonic() - t0}
+        out = {
+            "claims": worst,
+            "cpu": kernels.backend_cpu(),
+            "seconds": time.monotonic() - t0,
+            "q8_calls": kernels.q8_gemm_calls(),  # 0: no wide Q8_0 kernel in this variant
+        }
         print(json.dumps(out))
         return
     from worker.models import cache_dir
@@ -279,12 +286,15 @@ def main() -> None:
     table: list[dict[str, Any]] = []
     for name, py, backend in runs:
         needs = "?"
-        for rule in ("fa-rows", "tiled-dot", "tinyblas", "strict"):
+        for rule in ("q8-gemm", "fa-rows", "tiled-dot", "tinyblas", "strict"):
             res = _run_child(py, backend, rule, lengths)
             table.append({"variant": name, "rule": rule, **res})
             if res.get("unsupported"):
                 print(f"{name:<13} {'-':<9} this CPU cannot run it")
                 break
+            if rule == "q8-gemm" and "claims" in res and not res.get("q8_calls"):
+                print(f"{name:<13} {rule:<9} not built for this variant (AVX-512 VNNI only)")
+                continue
             if "error" in res:
                 print(f"{name:<13} {rule:<9} error: {res['error']}")
                 continue

@@ -20,7 +20,7 @@ shape of the batch:
   all reduce in different orders. This is what made a migrated session past
   the 512-token sliding window continue with other logits.
 
-The patch adds four switches, environment variables read once per process
+The patch adds five switches, environment variables read once per process
 (upstream already has ``GGML_CPU_TILED_MM=0`` / ``GGML_CPU_TILED_MM_FORCE=1``
 for the tiled K-quant matmul):
 
@@ -38,6 +38,13 @@ for the tiled K-quant matmul):
   kernel and takes ``vec_dot`` at every row count, as under
   ``GGML_CPU_TILED_MM=0``. AVX2 + FMA only; elsewhere the switch is the same
   as ``GGML_CPU_TILED_MM=0``.
+
+- ``GGML_CPU_Q8_GEMM=1`` takes Q8_0 x Q8_0 matmuls of 1 to 32 rows with
+  ``llama_q8_gemm.cpp`` (AVX-512 BW + VNNI): two dots per 512-bit register
+  and the next weights prefetched, each element computed with tinyBLAS's
+  (and ``vec_dot``'s) steps in their order, so the numbers are theirs, bit
+  for bit; a Q8_0 head (Gemma 3 270M's) is most of a decode step. Other
+  builds and shapes keep tinyBLAS / ``vec_dot``.
 
 - ``GGML_CPU_FA_ROWS=1`` (with ``GGML_CPU_FA_ONE_ROW=1``) computes attention
   for several query rows at once where the layer allows (F16 K/V, no
@@ -90,6 +97,7 @@ static inline bool ggml_cpu_llamafile(void) {{
 
 _TILED_DOT = (Path(__file__).resolve().parent / "llama_tiled_dot.cpp").read_text()
 _FA_ROWS = (Path(__file__).resolve().parent / "llama_fa_rows.cpp").read_text()
+_Q8_GEMM = (Path(__file__).resolve().parent / "llama_q8_gemm.cpp").read_text()
 
 
 def _vec_dot_edit(gap: str) -> tuple[str, str, str]:
@@ -175,6 +183,22 @@ EDITS: list[tuple[str, str, str]] = [
         "            } else if (use_rows) {\n"
         "                ggml_fa_rows(params, dst, ir0, ir1);\n"
         "            } else {\n",
+    ),
+    # GGML_CPU_Q8_GEMM=1: Q8_0 x Q8_0 matmuls of 1-32 rows in tinyBLAS's numbers, wider
+    # (llama_q8_gemm.cpp), before tinyBLAS's own n < 2 refusal so one row goes there too
+    (
+        "ggml/src/ggml-cpu/llamafile/sgemm.cpp",
+        "/**\n * Performs optimized matrix multiplication on CPU.\n",
+        _Q8_GEMM + "\n/**\n * Performs optimized matrix multiplication on CPU.\n",
+    ),
+    (
+        "ggml/src/ggml-cpu/llamafile/sgemm.cpp",
+        "    // only enable sgemm for prompt processing\n",
+        "    if (Atype == GGML_TYPE_Q8_0 && Btype == GGML_TYPE_Q8_0 && Ctype == GGML_TYPE_F32 &&\n"
+        "        ggml_q8_gemm(m, n, k, (const block_q8_0 *)A, lda, (const block_q8_0 *)B, ldb,\n"
+        "                     (float *)C, ldc, params->ith, params->nth))\n"
+        "        return true;\n\n"
+        "    // only enable sgemm for prompt processing\n",
     ),
 ]
 

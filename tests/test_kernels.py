@@ -67,6 +67,15 @@ def test_the_tiled_dot_rule_only_where_the_matrix_measured_it() -> None:
     assert env["GGML_CPU_TILED_MM"] == "1" and env["GGML_CPU_TILED_DOT"] == "1"
     assert env["GGML_CPU_TILED_MM_FORCE"] == "0" and env["GGML_CPU_FA_ONE_ROW"] == "1"
     assert kernels.TINYBLAS.env()["GGML_CPU_TILED_MM"] == "0"
+    # the wide Q8_0 kernel where it compiles (AVX-512 BW + VNNI) and was measured
+    assert {lvl for lvl in FEATURES if kernels.rule_for(lvl).q8_gemm} == {
+        "cascadelake",
+        "icelake",
+        "cooperlake",
+        "zen4",
+    }
+    assert kernels.Q8_GEMM.env()["GGML_CPU_Q8_GEMM"] == "1"
+    assert kernels.FA_ROWS.env()["GGML_CPU_Q8_GEMM"] == "0"
 
 
 def test_info_reports_the_rule_in_force() -> None:
@@ -80,4 +89,5 @@ def test_info_reports_the_rule_in_force() -> None:
         "llamafile": True,
         "tiled_dot": False,
         "fa_rows": False,
+        "q8_gemm": False,
     }

@@ -1,0 +1,161 @@
+// skiff: GGML_CPU_Q8_GEMM=1: tinyBLAS's Q8_0 x Q8_0 matmul, twice as wide and streamed ahead
+// (see skiff's scripts/llama_patch.py). Inserted into llamafile/sgemm.cpp before llamafile_sgemm.
+//
+// Why: a model whose head is Q8_0 (Gemma 3 270M: 262,144 x 640, 178 MB) spends most of a decode
+// step there: tinyBLAS_Q0_AVX (2+ rows) computes one dot per 256-bit register and pays a sign
+// trick per dot, and ggml's vec_dot (one row) waits on memory. This kernel computes two dots
+// per 512-bit register (a weight block against two columns), folds the sign trick into a
+// per-column bias, and prefetches the next tile's weights while it computes this one.
+//
+// Its numbers are tinyBLAS's and vec_dot's, bit for bit (both compute an element this way on
+// x86), which is what keeps a row's logits independent of the batch: per block l,
+//   lanes_i  = sum of a*b over the block's quants 4i..4i+3 (exact integers; tinyBLAS:
+//              dpbusd(|a|, b*sign(a)); here dpbusd(a + 128, b) - 128 * sum(b): the same ints)
+//   acc_i    = fma(fp32(d_a) * fp32(d_b), float(lanes_i), acc_i)   (8 lanes, block order)
+// then tinyBLAS's horizontal sum of the 8 lanes, in its order. So it may take any subset of
+// shapes: here 1..32 columns (decode batches, drafts); prefill keeps tinyBLAS.
+#include <atomic>
+#include <vector>
+
+static std::atomic<int64_t> ggml_q8_gemm_taken{0};
+
+// How many matmuls the kernel has taken in this process (tests: the switch is live).
+extern "C" int64_t ggml_cpu_q8_gemm_calls(void) {
+    return ggml_q8_gemm_taken.load();
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static inline bool ggml_cpu_q8_gemm(void) {
+    static int cached = -1;
+    return ggml_cpu_skiff_flag("GGML_CPU_Q8_GEMM", &cached, 0);
+}
+
+#define GGML_Q8_GEMM_MAX_N 32
+
+namespace {
+
+// tinyBLAS's hsum(__m256): high half + low half, then (0+2) + (1+3)
+inline float q8g_hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Two columns' block l side by side: their quants, -128 x each 4-quant group's sum (the
+// unsigned weights' offset taken back out), and each column's scale on its 8 lanes.
+struct q8g_pair {
+    __m512i b;
+    __m512i bias;
+    __m512 d;
+};
+
+inline q8g_pair q8g_prepare(const block_q8_0 * lo, const block_q8_0 * hi) {
+    q8g_pair out;
+    out.b = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) lo->qs)),
+                               _mm256_loadu_si256((const __m256i *) hi->qs), 1);
+    const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), out.b);
+    out.bias = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7));
+    out.d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(GGML_CPU_FP16_TO_FP32(lo->d)),
+                                 _mm512_set1_ps(GGML_CPU_FP16_TO_FP32(hi->d)));
+    return out;
+}
+
+// RM weight rows from ii against P prepared pairs (columns 2p, 2p+1 of the group at j0);
+// ``odd``: the last pair's second column is a copy, not stored.
+template <int RM, int P>
+void q8g_tile(int64_t k, const block_q8_0 * A, int64_t lda, const q8g_pair * cols,
+              int64_t npairs, float * C, int64_t ldc, int64_t ii, int64_t j0, bool odd) {
+    __m512 acc[RM][P];
+    for (int r = 0; r < RM; ++r) {
+        for (int p = 0; p < P; ++p) {
+            acc[r][p] = _mm512_setzero_ps();
+        }
+    }
+    const __m512i flip = _mm512_set1_epi8((char) 0x80);
+    for (int64_t l = 0; l < k; ++l) {
+        const q8g_pair * cl = cols + l * npairs;
+        for (int r = 0; r < RM; ++r) {  // the next tile's same block: the stream stays ahead
+            _mm_prefetch((const char *) (A + lda * (ii + RM + r) + l), _MM_HINT_T0);
+        }
+        for (int r = 0; r < RM; ++r) {
+            const block_q8_0 * a = A + lda * (ii + r) + l;
+            const __m512i av = _mm512_xor_si512(
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) a->qs)), flip);
+            const __m512 da = _mm512_set1_ps(GGML_CPU_FP16_TO_FP32(a->d));
+            for (int p = 0; p < P; ++p) {
+                const __m512i lanes = _mm512_dpbusd_epi32(cl[p].bias, av, cl[p].b);
+                acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(da, cl[p].d),
+                                            _mm512_cvtepi32_ps(lanes), acc[r][p]);
+            }
+        }
+    }
+    for (int r = 0; r < RM; ++r) {
+        for (int p = 0; p < P; ++p) {
+            const int64_t j = j0 + 2 * p;
+            C[ldc * j + ii + r] = q8g_hsum8(_mm512_castps512_ps256(acc[r][p]));
+            if (!(odd && p == P - 1)) {
+                const __m512 high = _mm512_shuffle_f32x4(acc[r][p], acc[r][p], 0xEE);
+                C[ldc * (j + 1) + ii + r] = q8g_hsum8(_mm512_castps512_ps256(high));
+            }
+        }
+    }
+}
+
+template <int RM>
+void q8g_rows(int64_t k, const block_q8_0 * A, int64_t lda, const q8g_pair * cols,
+              int64_t npairs, float * C, int64_t ldc, int64_t ii, int64_t n) {
+    for (int64_t g = 0; g < npairs; g += 4) {
+        const int64_t left = npairs - g;
+        const bool odd = (n & 1) && left <= 4;
+        const q8g_pair * c = cols + g;
+        switch (left < 4 ? left : 4) {
+            case 4: q8g_tile<RM, 4>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
+            case 3: q8g_tile<RM, 3>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
+            case 2: q8g_tile<RM, 2>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
+            default: q8g_tile<RM, 1>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
+        }
+    }
+}
+
+}  // namespace
+
+// C[ldc*j + i] = row i of A . column j of B, for thread ith of nth; false: not taken.
+static bool ggml_q8_gemm(int64_t m, int64_t n, int64_t k, const block_q8_0 * A, int64_t lda,
+                         const block_q8_0 * B, int64_t ldb, float * C, int64_t ldc, int ith,
+                         int nth) {
+    if (n < 1 || n > GGML_Q8_GEMM_MAX_N || !ggml_cpu_q8_gemm()) {
+        return false;
+    }
+    if (ith == 0) {
+        ggml_q8_gemm_taken.fetch_add(1, std::memory_order_relaxed);
+    }
+    const int64_t npairs = (n + 1) / 2;
+    std::vector<q8g_pair> cols((size_t) (k * npairs));
+    for (int64_t l = 0; l < k; ++l) {
+        for (int64_t p = 0; p < npairs; ++p) {
+            const int64_t j = 2 * p;
+            const int64_t j1 = j + 1 < n ? j + 1 : j;
+            cols[l * npairs + p] = q8g_prepare(B + ldb * j + l, B + ldb * j1 + l);
+        }
+    }
+    const int64_t tiles = m / 4;
+    const int64_t duty = (tiles + nth - 1) / nth;
+    const int64_t start = duty * ith;
+    const int64_t end = start + duty < tiles ? start + duty : tiles;
+    for (int64_t t = start; t < end; ++t) {
+        q8g_rows<4>(k, A, lda, cols.data(), npairs, C, ldc, 4 * t, n);
+    }
+    if (ith == nth - 1) {
+        for (int64_t i = 4 * tiles; i < m; ++i) {
+            q8g_rows<1>(k, A, lda, cols.data(), npairs, C, ldc, i, n);
+        }
+    }
+    return true;
+}
+#else
+static bool ggml_q8_gemm(int64_t, int64_t, int64_t, const block_q8_0 *, int64_t,
+                         const block_q8_0 *, int64_t, float *, int64_t, int, int) {
+    return false;
+}
+#endif
