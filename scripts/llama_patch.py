@@ -39,12 +39,12 @@ for the tiled K-quant matmul):
   ``GGML_CPU_TILED_MM=0``. AVX2 + FMA only; elsewhere the switch is the same
   as ``GGML_CPU_TILED_MM=0``.
 
-- ``GGML_CPU_Q8_GEMM=1`` takes Q8_0 x Q8_0 matmuls of 1 to 32 rows with
-  ``llama_q8_gemm.cpp`` (AVX-512 BW + VNNI): two dots per 512-bit register
-  and the next weights prefetched, each element computed with tinyBLAS's
-  (and ``vec_dot``'s) steps in their order, so the numbers are theirs, bit
-  for bit; a Q8_0 head (Gemma 3 270M's) is most of a decode step. Other
-  builds and shapes keep tinyBLAS / ``vec_dot``.
+- ``GGML_CPU_Q8_GEMM=1`` takes Q8_0 and Q5_0 matmuls of 1 to 32 rows with
+  ``llama_q8_gemm.cpp`` (AVX-512 BW + VL + VNNI): two dots per 512-bit
+  register and the next weights prefetched, each element computed with
+  tinyBLAS's (and ``vec_dot``'s) steps in their order, so the numbers are
+  theirs, bit for bit; Gemma 3 270M's Q8_0 head and Q5_0 projections are
+  most of a decode step. Other builds and shapes keep tinyBLAS / ``vec_dot``.
 
 - ``GGML_CPU_FA_ROWS=1`` (with ``GGML_CPU_FA_ONE_ROW=1``) computes attention
   for several query rows at once where the layer allows (F16 K/V, no
@@ -184,8 +184,8 @@ EDITS: list[tuple[str, str, str]] = [
         "                ggml_fa_rows(params, dst, ir0, ir1);\n"
         "            } else {\n",
     ),
-    # GGML_CPU_Q8_GEMM=1: Q8_0 x Q8_0 matmuls of 1-32 rows in tinyBLAS's numbers, wider
-    # (llama_q8_gemm.cpp), before tinyBLAS's own n < 2 refusal so one row goes there too
+    # GGML_CPU_Q8_GEMM=1: Q8_0 / Q5_0 x Q8_0 matmuls of 1-32 rows in tinyBLAS's numbers,
+    # wider (llama_q8_gemm.cpp), before tinyBLAS's own n < 2 refusal: one row goes there too
     (
         "ggml/src/ggml-cpu/llamafile/sgemm.cpp",
         "/**\n * Performs optimized matrix multiplication on CPU.\n",
@@ -194,9 +194,9 @@ EDITS: list[tuple[str, str, str]] = [
     (
         "ggml/src/ggml-cpu/llamafile/sgemm.cpp",
         "    // only enable sgemm for prompt processing\n",
-        "    if (Atype == GGML_TYPE_Q8_0 && Btype == GGML_TYPE_Q8_0 && Ctype == GGML_TYPE_F32 &&\n"
-        "        ggml_q8_gemm(m, n, k, (const block_q8_0 *)A, lda, (const block_q8_0 *)B, ldb,\n"
-        "                     (float *)C, ldc, params->ith, params->nth))\n"
+        "    if (Btype == GGML_TYPE_Q8_0 && Ctype == GGML_TYPE_F32 &&\n"
+        "        ggml_q8_gemm(m, n, k, A, lda, B, ldb, (float *)C, ldc, Atype, params->ith,\n"
+        "                     params->nth))\n"
         "        return true;\n\n"
         "    // only enable sgemm for prompt processing\n",
     ),

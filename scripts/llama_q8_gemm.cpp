@@ -1,11 +1,13 @@
-// skiff: GGML_CPU_Q8_GEMM=1: tinyBLAS's Q8_0 x Q8_0 matmul, twice as wide and streamed ahead
-// (see skiff's scripts/llama_patch.py). Inserted into llamafile/sgemm.cpp before llamafile_sgemm.
+// skiff: GGML_CPU_Q8_GEMM=1: tinyBLAS's Q8_0 / Q5_0 x Q8_0 matmul, twice as wide and streamed
+// ahead (see skiff's scripts/llama_patch.py). Inserted into llamafile/sgemm.cpp before
+// llamafile_sgemm.
 //
-// Why: a model whose head is Q8_0 (Gemma 3 270M: 262,144 x 640, 178 MB) spends most of a decode
-// step there: tinyBLAS_Q0_AVX (2+ rows) computes one dot per 256-bit register and pays a sign
-// trick per dot, and ggml's vec_dot (one row) waits on memory. This kernel computes two dots
-// per 512-bit register (a weight block against two columns), folds the sign trick into a
-// per-column bias, and prefetches the next tile's weights while it computes this one.
+// Why: a decode step multiplies a few rows by every weight. Gemma 3 270M's head is Q8_0
+// (262,144 x 640, 178 MB) and its attention and FFN inputs Q5_0; tinyBLAS_Q0_AVX (2+ rows)
+// computes one dot per 256-bit register and pays a sign trick per dot, and ggml's vec_dot
+// (one row) waits on memory. This kernel computes two dots per 512-bit register (a weight
+// block against two columns), folds the sign trick into a per-column bias, and prefetches the
+// next tile's weights while it computes this one.
 //
 // Its numbers are tinyBLAS's and vec_dot's, bit for bit (both compute an element this way on
 // x86), which is what keeps a row's logits independent of the batch: per block l,
@@ -13,7 +15,7 @@
 //              dpbusd(|a|, b*sign(a)); here dpbusd(a + 128, b) - 128 * sum(b): the same ints)
 //   acc_i    = fma(fp32(d_a) * fp32(d_b), float(lanes_i), acc_i)   (8 lanes, block order)
 // then tinyBLAS's horizontal sum of the 8 lanes, in its order. So it may take any subset of
-// shapes: here 1..32 columns (decode batches, drafts); prefill keeps tinyBLAS.
+// shapes: here 1..32 columns (decode batches, drafts, short pieces); prefill keeps tinyBLAS.
 #include <atomic>
 #include <vector>
 
@@ -24,7 +26,7 @@ extern "C" int64_t ggml_cpu_q8_gemm_calls(void) {
     return ggml_q8_gemm_taken.load();
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 static inline bool ggml_cpu_q8_gemm(void) {
     static int cached = -1;
     return ggml_cpu_skiff_flag("GGML_CPU_Q8_GEMM", &cached, 0);
@@ -61,10 +63,27 @@ inline q8g_pair q8g_prepare(const block_q8_0 * lo, const block_q8_0 * hi) {
     return out;
 }
 
+// A weight block's 32 quants as int8, as tinyBLAS's load() and vec_dot unpack them.
+inline __m256i q8g_quants(const block_q8_0 * a) {
+    return _mm256_loadu_si256((const __m256i *) a->qs);
+}
+
+// Q5_0: low nibbles are quants 0-15, high nibbles 16-31, bit j of qh quant j's fifth
+// bit; the value is that 5-bit number minus 16 (a clear bit sets the high nibble to 0xF).
+inline __m256i q8g_quants(const block_q5_0 * a) {
+    const __m128i x = _mm_loadu_si128((const __m128i *) a->qs);
+    const __m256i nibbles = _mm256_and_si256(
+        _mm256_set1_epi8(15), _mm256_inserti128_si256(_mm256_castsi128_si256(x), _mm_srli_epi16(x, 4), 1));
+    uint32_t qh;
+    memcpy(&qh, a->qh, sizeof(qh));
+    const __m256i fifth = _mm256_movm_epi8(qh);
+    return _mm256_or_si256(nibbles, _mm256_andnot_si256(fifth, _mm256_set1_epi8((char) 0xF0)));
+}
+
 // RM weight rows from ii against P prepared pairs (columns 2p, 2p+1 of the group at j0);
 // ``odd``: the last pair's second column is a copy, not stored.
-template <int RM, int P>
-void q8g_tile(int64_t k, const block_q8_0 * A, int64_t lda, const q8g_pair * cols,
+template <typename TA, int RM, int P>
+void q8g_tile(int64_t k, const TA * A, int64_t lda, const q8g_pair * cols,
               int64_t npairs, float * C, int64_t ldc, int64_t ii, int64_t j0, bool odd) {
     __m512 acc[RM][P];
     for (int r = 0; r < RM; ++r) {
@@ -79,9 +98,8 @@ void q8g_tile(int64_t k, const block_q8_0 * A, int64_t lda, const q8g_pair * col
             _mm_prefetch((const char *) (A + lda * (ii + RM + r) + l), _MM_HINT_T0);
         }
         for (int r = 0; r < RM; ++r) {
-            const block_q8_0 * a = A + lda * (ii + r) + l;
-            const __m512i av = _mm512_xor_si512(
-                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) a->qs)), flip);
+            const TA * a = A + lda * (ii + r) + l;
+            const __m512i av = _mm512_xor_si512(_mm512_broadcast_i64x4(q8g_quants(a)), flip);
             const __m512 da = _mm512_set1_ps(GGML_CPU_FP16_TO_FP32(a->d));
             for (int p = 0; p < P; ++p) {
                 const __m512i lanes = _mm512_dpbusd_epi32(cl[p].bias, av, cl[p].b);
@@ -102,31 +120,29 @@ void q8g_tile(int64_t k, const block_q8_0 * A, int64_t lda, const q8g_pair * col
     }
 }
 
-template <int RM>
-void q8g_rows(int64_t k, const block_q8_0 * A, int64_t lda, const q8g_pair * cols,
+template <typename TA, int RM>
+void q8g_rows(int64_t k, const TA * A, int64_t lda, const q8g_pair * cols,
               int64_t npairs, float * C, int64_t ldc, int64_t ii, int64_t n) {
     for (int64_t g = 0; g < npairs; g += 4) {
         const int64_t left = npairs - g;
         const bool odd = (n & 1) && left <= 4;
         const q8g_pair * c = cols + g;
         switch (left < 4 ? left : 4) {
-            case 4: q8g_tile<RM, 4>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
-            case 3: q8g_tile<RM, 3>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
-            case 2: q8g_tile<RM, 2>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
-            default: q8g_tile<RM, 1>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
+            case 4: q8g_tile<TA, RM, 4>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
+            case 3: q8g_tile<TA, RM, 3>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
+            case 2: q8g_tile<TA, RM, 2>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
+            default: q8g_tile<TA, RM, 1>(k, A, lda, c, npairs, C, ldc, ii, 2 * g, odd); break;
         }
     }
 }
 
 }  // namespace
 
-// C[ldc*j + i] = row i of A . column j of B, for thread ith of nth; false: not taken.
-static bool ggml_q8_gemm(int64_t m, int64_t n, int64_t k, const block_q8_0 * A, int64_t lda,
-                         const block_q8_0 * B, int64_t ldb, float * C, int64_t ldc, int ith,
-                         int nth) {
-    if (n < 1 || n > GGML_Q8_GEMM_MAX_N || !ggml_cpu_q8_gemm()) {
-        return false;
-    }
+// C[ldc*j + i] = row i of A . column j of B, for thread ith of nth.
+template <typename TA>
+static void ggml_q8_gemm_rows(int64_t m, int64_t n, int64_t k, const TA * A, int64_t lda,
+                              const block_q8_0 * B, int64_t ldb, float * C, int64_t ldc,
+                              int ith, int nth) {
     if (ith == 0) {
         ggml_q8_gemm_taken.fetch_add(1, std::memory_order_relaxed);
     }
@@ -144,18 +160,35 @@ static bool ggml_q8_gemm(int64_t m, int64_t n, int64_t k, const block_q8_0 * A, 
     const int64_t start = duty * ith;
     const int64_t end = start + duty < tiles ? start + duty : tiles;
     for (int64_t t = start; t < end; ++t) {
-        q8g_rows<4>(k, A, lda, cols.data(), npairs, C, ldc, 4 * t, n);
+        q8g_rows<TA, 4>(k, A, lda, cols.data(), npairs, C, ldc, 4 * t, n);
     }
     if (ith == nth - 1) {
         for (int64_t i = 4 * tiles; i < m; ++i) {
-            q8g_rows<1>(k, A, lda, cols.data(), npairs, C, ldc, i, n);
+            q8g_rows<TA, 1>(k, A, lda, cols.data(), npairs, C, ldc, i, n);
         }
+    }
+}
+
+// Q8_0 or Q5_0 weights (Atype) x Q8_0 rows; false: not taken (tinyBLAS / vec_dot then).
+static bool ggml_q8_gemm(int64_t m, int64_t n, int64_t k, const void * A, int64_t lda,
+                         const void * B, int64_t ldb, float * C, int64_t ldc, int Atype,
+                         int ith, int nth) {
+    if (n < 1 || n > GGML_Q8_GEMM_MAX_N || !ggml_cpu_q8_gemm()) {
+        return false;
+    }
+    const block_q8_0 * cols = (const block_q8_0 *) B;
+    if (Atype == GGML_TYPE_Q8_0) {
+        ggml_q8_gemm_rows(m, n, k, (const block_q8_0 *) A, lda, cols, ldb, C, ldc, ith, nth);
+    } else if (Atype == GGML_TYPE_Q5_0) {
+        ggml_q8_gemm_rows(m, n, k, (const block_q5_0 *) A, lda, cols, ldb, C, ldc, ith, nth);
+    } else {
+        return false;
     }
     return true;
 }
 #else
-static bool ggml_q8_gemm(int64_t, int64_t, int64_t, const block_q8_0 *, int64_t,
-                         const block_q8_0 *, int64_t, float *, int64_t, int, int) {
+static bool ggml_q8_gemm(int64_t, int64_t, int64_t, const void *, int64_t, const void *, int64_t,
+                         float *, int64_t, int, int, int) {
     return false;
 }
 #endif

@@ -1,14 +1,14 @@
-"""The wide Q8_0 matmul (``GGML_CPU_Q8_GEMM``, scripts/llama_q8_gemm.cpp).
+"""The wide Q8_0 / Q5_0 matmul (``GGML_CPU_Q8_GEMM``, scripts/llama_q8_gemm.cpp).
 
 The kernel promises tinyBLAS's (and ``vec_dot``'s) numbers, bit for bit, only
-faster; Gemma 3 270M's head is Q8_0, so every logit of every decode passes
-through it. These tests hold it to that: the same prompt, then spans of 5
-and 16 rows (odd and even column pairs) and the same tokens one at a time,
-on both sides of the 512-token sliding window, under the rule with the
-kernel and under the rule without it; logits hashed row by row. Each rule
-runs in a child of its own (ggml reads its switches once per process). The
-kernel's call counter tells a live switch from an ignored one, since the
-logits cannot.
+faster; Gemma 3 270M's head is Q8_0 and most of its projections Q5_0, so
+every logit of every decode passes through it. These tests hold it to that:
+the same prompt, then spans of 5 and 16 rows (odd and even column pairs) and
+the same tokens one at a time, on both sides of the 512-token sliding
+window, under the rule with the kernel and under the rule without it;
+logits hashed row by row. Each rule runs in a child of its own (ggml reads
+its switches once per process). The kernel's call counter tells a live
+switch from an ignored one, since the logits cannot.
 """
 
 from __future__ import annotations
