@@ -53,8 +53,17 @@ def test_prompts_are_prefilled_in_chunk_pieces_from_the_start(total: int) -> Non
     # batch-invariant), so pieces are simply chunk-sized from the start.
     sizes = _chunks(total, 256, 512)
     assert all(s == 256 for s in sizes[:-1])
-    assert 0 < sizes[-1] <= 256
+    assert 0 < sizes[-1] <= 256 + 32  # an eighth more finishes a prompt in one piece
     assert sum(sizes) == total
+
+
+def test_a_short_tail_goes_with_the_last_piece() -> None:
+    """A 134-token prompt at chunk 128 is one piece, not 128 + a 6-token turn."""
+    assert _chunks(134, 128, 512) == [134]
+    assert _chunks(144, 128, 512) == [144]
+    assert _chunks(145, 128, 512) == [128, 17]
+    assert _chunks(300, 128, 512) == [128, 172 - 44, 44]
+    assert chunk_bounds(0, 134, 128, 130) == 130  # the turn's budget still cuts it
 
 
 def test_pieces_are_cut_to_the_budget_but_not_into_crumbs() -> None:

@@ -51,7 +51,7 @@ from structlog import get_logger
 from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
 
 from ..runtime import RuntimeState, SessionId, Step
-from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job, PeerLimits
+from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job, PeerLimits, piece_limit
 from .outcomes import Outcomes, SchedulerStats
 
 _log = get_logger("skiff.scheduler")
@@ -323,7 +323,7 @@ class Scheduler:
             if phase is None and allowance is not None:
                 budget = min(budget, allowance)  # the time left for prefill this turn
             if phase is None and len(prefills) > 1:
-                budget = min(budget, self.cfg.prefill_chunk)  # one piece: finish one prompt
+                budget = min(budget, piece_limit(self.cfg.prefill_chunk))  # one piece
             for job in stable if phase is not None else prefills:
                 in_phase = job.phase == phase if phase is not None else job.phase > PHASE_ATOMIC
                 if boosted is job and phase is PHASE_DECODE:

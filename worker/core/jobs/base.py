@@ -292,17 +292,27 @@ class Job:
 MIN_CUT = 16
 
 
+def piece_limit(chunk: int) -> int:
+    """The most prompt tokens one piece takes: ``chunk``, or up to an eighth
+    more when that finishes the prompt. A 134-token prompt at the default 128
+    would otherwise spend a whole turn (a decode step of every stream, and
+    its first token one turn later) on a 6-token tail."""
+    return chunk + chunk // 8
+
+
 def chunk_bounds(done: int, total: int, chunk: int, budget: int) -> int:
     """How many prompt tokens to take now (0 = wait for a later turn).
 
-    Up to ``chunk`` tokens (``--prefill-chunk``); a piece larger than the
-    turn's ``budget`` is cut to it, unless that would leave less than
-    ``MIN_CUT`` (then it waits). Where a prompt is cut does not matter for its
-    numbers: every row is computed as if alone (``engine.kernels``), so a
-    prompt prefilled in any pieces, or after a reused prefix, has the KV cells
-    and logits of a cold prefill in one piece.
+    Up to ``chunk`` tokens (``--prefill-chunk``), or the whole rest when it is
+    within ``piece_limit``; a piece larger than the turn's ``budget`` is cut
+    to it, unless that would leave less than ``MIN_CUT`` (then it waits).
+    Where a prompt is cut does not matter for its numbers: every row is
+    computed as if alone (``engine.kernels``), so a prompt prefilled in any
+    pieces, or after a reused prefix, has the KV cells and logits of a cold
+    prefill in one piece.
     """
-    n = min(total - done, chunk)
+    left = total - done
+    n = left if left <= piece_limit(chunk) else chunk
     if n <= budget:
         return n
     return budget if budget >= MIN_CUT else 0
