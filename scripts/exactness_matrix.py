@@ -215,7 +215,10 @@ def _restore(folder: Path) -> None:
 def _run_child(py: Path, backend: Path | None, rule: str, lengths: list[int]) -> dict[str, Any]:
     from worker.models import default_model_path
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the caller's PYTHONPATH stays behind ROOT: an overlay of llama_cpp (one CPU level's
+    # libggml-cpu built apart) is then what the child loads, as it is what this process loads
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     if backend is not None:
         _only(backend)
     cmd = [str(py), __file__, "--child", rule, "--lengths", ",".join(map(str, lengths))]

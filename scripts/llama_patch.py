@@ -39,12 +39,12 @@ for the tiled K-quant matmul):
   ``GGML_CPU_TILED_MM=0``. AVX2 + FMA only; elsewhere the switch is the same
   as ``GGML_CPU_TILED_MM=0``.
 
-- ``GGML_CPU_Q8_GEMM=1`` takes Q8_0 and Q5_0 matmuls of 1 to 32 rows with
-  ``llama_q8_gemm.cpp`` (AVX-512 BW + VL + VNNI): two dots per 512-bit
+- ``GGML_CPU_Q8_GEMM=1`` takes Q8_0 and Q5_0 matmuls of any row count with
+  ``llama_q8_gemm.cpp`` (columns in blocks of 32) (AVX-512 BW + VL + VNNI): two dots per 512-bit
   register and the next weights prefetched, each element computed with
   tinyBLAS's (and ``vec_dot``'s) steps in their order, so the numbers are
   theirs, bit for bit; Gemma 3 270M's Q8_0 head and Q5_0 projections are
-  most of a decode step. Other builds and shapes keep tinyBLAS / ``vec_dot``.
+  most of a decode step. Other builds and types keep tinyBLAS / ``vec_dot``.
 
 - ``GGML_CPU_FA_ROWS=1`` (with ``GGML_CPU_FA_ONE_ROW=1``) computes attention
   for several query rows at once where the layer allows (F16 K/V, no
@@ -184,7 +184,7 @@ EDITS: list[tuple[str, str, str]] = [
         "                ggml_fa_rows(params, dst, ir0, ir1);\n"
         "            } else {\n",
     ),
-    # GGML_CPU_Q8_GEMM=1: Q8_0 / Q5_0 x Q8_0 matmuls of 1-32 rows in tinyBLAS's numbers,
+    # GGML_CPU_Q8_GEMM=1: Q8_0 / Q5_0 x Q8_0 matmuls of any row count in tinyBLAS's numbers,
     # wider (llama_q8_gemm.cpp), before tinyBLAS's own n < 2 refusal: one row goes there too
     (
         "ggml/src/ggml-cpu/llamafile/sgemm.cpp",

@@ -3,8 +3,9 @@
 The kernel promises tinyBLAS's (and ``vec_dot``'s) numbers, bit for bit, only
 faster; Gemma 3 270M's head is Q8_0 and most of its projections Q5_0, so
 every logit of every decode passes through it. These tests hold it to that:
-the same prompt, then spans of 5 and 16 rows (odd and even column pairs) and
-the same tokens one at a time, on both sides of the 512-token sliding
+the same prompt (hundreds of columns: the kernel's blocks of 32), then spans
+of 5, 16 and 40 rows (odd and even column pairs; 40 is two blocks, the second
+short) and the same tokens one at a time, on both sides of the 512-token sliding
 window, under the rule with the kernel and under the rule without it;
 logits hashed row by row. Each rule runs in a child of its own (ggml reads
 its switches once per process). The kernel's call counter tells a live
@@ -34,7 +35,7 @@ for n in (120, 560):  # inside the sliding window, and past it
     e.seq_clear(0)
     for at in range(0, n, 512):
         assert e.decode([Segment(0, toks[at : min(at + 512, n)], at, "none")]).ok
-    for k in (5, 16):
+    for k in (5, 16, 40):
         assert e.decode([Segment(0, toks[n : n + k], n, "all")]).ok
         span = [h(e.logits_row(e.output_index(0, i))) for i in range(k)]
         e.seq_rm(0, n, -1)
@@ -48,7 +49,7 @@ out["calls"] = kernels.q8_gemm_calls()
 print(json.dumps(out))
 """
 
-_CASES = ["120/5", "120/16", "560/5", "560/16"]
+_CASES = [f"{n}/{k}" for n in (120, 560) for k in (5, 16, 40)]
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ variables ggml reads once, at its first use of each path:
 - ``GGML_CPU_FA_ROWS=1`` (with the one-row switch): attention for several
   query rows at once, each row computed as if alone (F16 KV cache, AVX2 +
   FMA + F16C; any other layer keeps the one-row loop);
-- ``GGML_CPU_Q8_GEMM=1``: Q8_0 / Q5_0 matmuls of 1-32 rows (a decode
-  step's) two dots per 512-bit register, weights prefetched, in tinyBLAS's
-  and ``vec_dot``'s own numbers (AVX-512 BW + VL + VNNI builds; elsewhere a
-  no-op).
+- ``GGML_CPU_Q8_GEMM=1``: Q8_0 / Q5_0 matmuls of any row count (a decode
+  step's few, a prompt's hundreds in blocks of 32), two dots per 512-bit
+  register, weights prefetched, in tinyBLAS's and ``vec_dot``'s own numbers
+  (AVX-512 BW + VL + VNNI builds; elsewhere a no-op).
 
 The rule per x86 level comes from ``scripts/exactness_matrix.py`` (every
 claim, each variant this host can run; docs/exactness.md). A level not
@@ -54,8 +54,8 @@ class KernelRule:
     # with fa_one_row: several query rows at once where the layer allows
     # (scripts/llama_fa_rows.cpp), each row still computed as if alone
     fa_rows: bool = False
-    # Q8_0 / Q5_0 matmuls of 1-32 rows in the wide kernel (scripts/llama_q8_gemm.cpp):
-    # the same numbers as tinyBLAS / vec_dot, decode steps ~1.5-1.9x faster (Gemma 3 270M)
+    # Q8_0 / Q5_0 matmuls in the wide kernel (scripts/llama_q8_gemm.cpp): the same
+    # numbers as tinyBLAS / vec_dot, decode ~1.5-1.9x and prefill ~1.2x faster (Gemma 3 270M)
     q8_gemm: bool = False
 
     def env(self) -> dict[str, str]:
@@ -85,11 +85,11 @@ TILED_DOT = KernelRule(llamafile=True, tiled_dot=True)
 # the same in any tile of rows; prefill ~1.4x the one-row loop, and past
 # upstream's tiled attention (docs/exactness.md).
 FA_ROWS = KernelRule(llamafile=True, tiled_dot=True, fa_rows=True)
-# ... and Q8_0 / Q5_0 matmuls of up to 32 rows in the wide kernel
+# ... and Q8_0 / Q5_0 matmuls of any row count in the wide kernel
 # (scripts/llama_q8_gemm.cpp), which computes every element with tinyBLAS's
 # steps in their order (and so vec_dot's, which tinyBLAS matches at these
-# levels): the same numbers, decode steps ~1.5-1.9x faster on the default
-# model. Compiled for AVX-512 BW + VL + VNNI only.
+# levels): the same numbers, decode steps ~1.5-1.9x and prompts ~1.2x faster
+# on the default model. Compiled for AVX-512 BW + VL + VNNI only.
 Q8_GEMM = KernelRule(llamafile=True, tiled_dot=True, fa_rows=True, q8_gemm=True)
 # Measured by scripts/exactness_matrix.py (docs/exactness.md). Every claim
 # holds with tinyBLAS on at these levels (it computes Q8_0 / Q5_0 elements as
