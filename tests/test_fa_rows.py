@@ -19,37 +19,9 @@ import pytest
 
 from worker.engine import kernels
 
-_CHILD = """
-import hashlib, json, sys
-sys.path.insert(0, {root!r})
-from worker.engine import Engine, EngineConfig, Segment, kernels
-from worker.models import default_model_path
-
-rule = kernels.KernelRule(**json.loads(sys.argv[1]))
-cfg = EngineConfig(str(default_model_path()), n_ctx=2048, n_seq=2, n_threads=2, kernel_rule=rule)
-e = Engine(cfg)
-toks = e.tokenize(open({readme!r}).read() * 4)
-h = lambda row: hashlib.sha256(row.tobytes()).hexdigest()
-out = {{"level": kernels.backend_cpu()["level"]}}
-for n in (120, 560):  # inside the sliding window, and past it
-    k = 16
-    e.seq_clear(0)
-    for at in range(0, n, 512):
-        assert e.decode([Segment(0, toks[at : min(at + 512, n)], at, "none")]).ok
-    assert e.decode([Segment(0, toks[n : n + k], n, "all")]).ok
-    span = [h(e.logits_row(e.output_index(0, i))) for i in range(k)]
-    e.seq_rm(0, n, -1)
-    single = []
-    for i in range(k):
-        assert e.decode([Segment(0, [toks[n + i]], n + i, "last")]).ok
-        single.append(h(e.logits_row(e.output_index(0))))
-    out[str(n)] = {{"span": span, "single": single}}
-print(json.dumps(out))
-"""
-
 
 def _rows(rule: kernels.KernelRule) -> dict[str, object]:
-    return _rule_child.run(_CHILD, rule)
+    return _rule_child.spans(rule, (120, 560), (16,))  # inside the sliding window, and past it
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +29,7 @@ def runs() -> tuple[dict[str, object], dict[str, object]]:
     return _rows(kernels.FA_ROWS), _rows(kernels.TILED_DOT)
 
 
-@pytest.mark.parametrize("n", ["120", "560"])
+@pytest.mark.parametrize("n", ["120/16", "560/16"])
 def test_a_row_in_a_tile_of_rows_equals_the_row_alone(
     runs: tuple[dict[str, object], dict[str, object]], n: str
 ) -> None:
@@ -73,7 +45,7 @@ def test_the_switch_takes_another_kernel_than_the_one_row_loop(
     build without the patch); a level without the kernel (no AVX2 + FMA +
     F16C) keeps the one-row loop, and nothing may differ there."""
     rows, one_row = runs
-    for n in ("120", "560"):
+    for n in ("120/16", "560/16"):
         a, b = rows[n], one_row[n]
         assert isinstance(a, dict) and isinstance(b, dict)
         if kernels.rule_for(str(rows["level"])).fa_rows:

@@ -19,42 +19,16 @@ import pytest
 
 from worker.engine import kernels
 
-_CHILD = """
-import hashlib, json, sys
-sys.path.insert(0, {root!r})
-from worker.engine import Engine, EngineConfig, Segment, kernels
-from worker.models import default_model_path
-
-rule = kernels.KernelRule(**json.loads(sys.argv[1]))
-cfg = EngineConfig(str(default_model_path()), n_ctx=2048, n_seq=2, n_threads=2, kernel_rule=rule)
-e = Engine(cfg)
-toks = e.tokenize(open({readme!r}).read() * 4)
-h = lambda row: hashlib.sha256(row.tobytes()).hexdigest()
-out = {{"level": kernels.backend_cpu()["level"]}}
-for n in (120, 560):  # inside the sliding window, and past it
-    e.seq_clear(0)
-    for at in range(0, n, 512):
-        assert e.decode([Segment(0, toks[at : min(at + 512, n)], at, "none")]).ok
-    for k in (5, 16, 40):
-        assert e.decode([Segment(0, toks[n : n + k], n, "all")]).ok
-        span = [h(e.logits_row(e.output_index(0, i))) for i in range(k)]
-        e.seq_rm(0, n, -1)
-        single = []
-        for i in range(k):
-            assert e.decode([Segment(0, [toks[n + i]], n + i, "last")]).ok
-            single.append(h(e.logits_row(e.output_index(0))))
-        e.seq_rm(0, n, -1)
-        out[f"{{n}}/{{k}}"] = {{"span": span, "single": single}}
-out["calls"] = kernels.q8_gemm_calls()
-print(json.dumps(out))
-"""
-
 _CASES = [f"{n}/{k}" for n in (120, 560) for k in (5, 16, 40)]
 
 
 @pytest.fixture(scope="module")
 def runs() -> tuple[dict[str, object], dict[str, object]]:
-    return _rule_child.run(_CHILD, kernels.Q8_GEMM), _rule_child.run(_CHILD, kernels.FA_ROWS)
+    lengths, widths = (120, 560), (5, 16, 40)  # inside the sliding window, and past it
+    return (
+        _rule_child.spans(kernels.Q8_GEMM, lengths, widths),
+        _rule_child.spans(kernels.FA_ROWS, lengths, widths),
+    )
 
 
 @pytest.mark.parametrize("case", _CASES)
@@ -82,9 +56,9 @@ def test_the_switch_is_live_where_the_rule_takes_it(
     """The comparison above means something only if the kernel ran: it must
     at every level whose rule has it (AVX-512 VNNI), and nowhere else."""
     wide, plain = runs
-    assert plain["calls"] == 0
+    assert plain["q8_calls"] == 0
     if kernels.rule_for(str(wide["level"])).q8_gemm:
-        calls = wide["calls"]
+        calls = wide["q8_calls"]
         assert isinstance(calls, int) and calls > 0
     else:
-        assert wide["calls"] == 0
+        assert wide["q8_calls"] == 0

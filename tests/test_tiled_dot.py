@@ -18,32 +18,10 @@ import pytest
 
 from worker.engine import kernels
 
-_CHILD = """
-import hashlib, json, sys
-sys.path.insert(0, {root!r})
-from worker.engine import Engine, EngineConfig, Segment, kernels
-from worker.models import default_model_path
-
-rule = kernels.KernelRule(**json.loads(sys.argv[1]))
-cfg = EngineConfig(str(default_model_path()), n_ctx=1024, n_seq=1, n_threads=2, kernel_rule=rule)
-e = Engine(cfg)
-toks = e.tokenize(open({readme!r}).read())
-n, k = 120, 8
-h = lambda row: hashlib.sha256(row.tobytes()).hexdigest()
-assert e.decode([Segment(0, toks[:n], 0, "none")]).ok
-assert e.decode([Segment(0, toks[n : n + k], n, "all")]).ok
-span = [h(e.logits_row(e.output_index(0, i))) for i in range(k)]
-e.seq_rm(0, n, -1)
-single = []
-for i in range(k):
-    assert e.decode([Segment(0, [toks[n + i]], n + i, "last")]).ok
-    single.append(h(e.logits_row(e.output_index(0))))
-print(json.dumps({{"span": span, "single": single, "level": kernels.backend_cpu()["level"]}}))
-"""
-
 
 def _rows(rule: kernels.KernelRule) -> dict[str, list[str]]:
-    return _rule_child.run(_CHILD, rule)
+    out = _rule_child.spans(rule, (120,), (8,))
+    return {**out["120/8"], "level": out["level"]}
 
 
 Rows = dict[str, list[str]]
