@@ -146,8 +146,8 @@ _OPTIONS: list[tuple[str, type, str]] = [
         str,
         "exact: every row computed as if alone (logits independent of batch, chunking, "
         "threads, migration); upstream: llama.cpp's own paths (slower where measured: "
-        "exact prefill was 1.1-1.2x upstream's, decode 1.5-1.8x on AVX-512 VNNI, level on "
-        "AVX2; logits depend on the batch, as in llama-server)",
+        "exact prefill ~1.4x upstream's and decode 1.4-1.8x on AVX-512 VNNI; prefill "
+        "1.1-1.2x and decode level on AVX2; logits depend on the batch, as in llama-server)",
     ),
     ("admission-timeout-ms", int, "longest wait for a lane before deadline_exceeded"),
     ("session-idle-s", float, "drop named sessions unused this long (frees lanes of gone peers)"),

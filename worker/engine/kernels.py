@@ -55,7 +55,7 @@ class KernelRule:
     # (scripts/llama_fa_rows.cpp), each row still computed as if alone
     fa_rows: bool = False
     # Q8_0 / Q5_0 matmuls in the wide kernel (scripts/llama_q8_gemm.cpp): the same
-    # numbers as tinyBLAS / vec_dot, decode ~1.5-1.9x and prefill ~1.2x faster (Gemma 3 270M)
+    # numbers as tinyBLAS / vec_dot, decode ~1.4-1.9x and prefill ~1.25x faster (Gemma 3 270M)
     q8_gemm: bool = False
 
     def env(self) -> dict[str, str]:
@@ -88,7 +88,7 @@ FA_ROWS = KernelRule(llamafile=True, tiled_dot=True, fa_rows=True)
 # ... and Q8_0 / Q5_0 matmuls of any row count in the wide kernel
 # (scripts/llama_q8_gemm.cpp), which computes every element with tinyBLAS's
 # steps in their order (and so vec_dot's, which tinyBLAS matches at these
-# levels): the same numbers, decode steps ~1.5-1.9x and prompts ~1.2x faster
+# levels): the same numbers, decode steps ~1.4-1.9x and prompts ~1.25x faster
 # on the default model. Compiled for AVX-512 BW + VL + VNNI only.
 Q8_GEMM = KernelRule(llamafile=True, tiled_dot=True, fa_rows=True, q8_gemm=True)
 # Measured by scripts/exactness_matrix.py (docs/exactness.md). Every claim
