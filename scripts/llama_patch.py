@@ -200,6 +200,24 @@ EDITS: list[tuple[str, str, str]] = [
         "        return true;\n\n"
         "    // only enable sgemm for prompt processing\n",
     ),
+    # LLAMA_STATE_SEQ_FLAGS_ALL_CELLS: a sequence's saved state keeps its sliding-window
+    # cells past the window too (a cache with swa_full holds them), so a prompt cell
+    # saved to host memory can be loaded and trimmed back to any shorter prefix
+    (
+        "include/llama.h",
+        "#define LLAMA_STATE_SEQ_FLAGS_ON_DEVICE 2\n",
+        "#define LLAMA_STATE_SEQ_FLAGS_ON_DEVICE 2\n\n"
+        "// skiff: every cell of the sequence, those a sliding window masks too\n"
+        "#define LLAMA_STATE_SEQ_FLAGS_ALL_CELLS 4\n",
+    ),
+    (
+        "src/llama-kv-cache.cpp",
+        "            // check the cell is not SWA-masked\n"
+        "            if (add_cell && seq_id != -1) {\n",
+        "            // check the cell is not SWA-masked\n"
+        "            if (add_cell && seq_id != -1 && !(flags & "
+        "LLAMA_STATE_SEQ_FLAGS_ALL_CELLS)) {\n",
+    ),
 ]
 
 

@@ -17,7 +17,13 @@ import pytest
 from conftest import start_worker, stop_worker
 from protocol import Client
 from worker.runtime import LanePool, RuntimeState
-from worker.runtime.prefix import window_holds
+from worker.runtime.prefix import (
+    MIN_RAM_TOKENS,
+    PrefixStats,
+    PromptRam,
+    keep_evicted,
+    window_holds,
+)
 
 STORY = (
     "The harbor town woke slowly. Fishing boats rocked against the pier while gulls "
@@ -99,7 +105,8 @@ def test_chat_style_turn_reuses_the_earlier_prompt(client: Client, cold_worker: 
 @pytest.fixture(scope="module")
 def one_cache_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("onecache")
-    proc, endpoint, _ = start_worker(tmp, "--lanes", "2", "--ctx", "4096", "--prefix-cache", "1")
+    flags = ("--lanes", "2", "--ctx", "4096", "--prefix-cache", "1", "--prompt-ram-bytes", "0")
+    proc, endpoint, _ = start_worker(tmp, *flags)
     yield endpoint
     stop_worker(proc)
 
@@ -119,6 +126,37 @@ def test_reuse_keeps_all_but_the_last_token_and_evicts_lru(one_cache_worker: str
         assert c.call("generate", None, {**args, "tokens": a}).result["usage"]["cached_tokens"] == 0
         # ... and a's run took the only cached lane (b's) and is now the one cached.
         assert c.call("generate", None, {**args, "tokens": b}).result["usage"]["cached_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def ram_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One cached lane, and host memory for what it has to give up."""
+    tmp = tmp_path_factory.mktemp("ram")
+    flags = ("--lanes", "2", "--ctx", "4096", "--prefix-cache", "1")
+    proc, endpoint, _ = start_worker(tmp, *flags, "--prompt-ram-bytes", str(64 << 20))
+    yield endpoint
+    stop_worker(proc)
+
+
+def test_an_evicted_prompt_comes_back_from_host_memory_bit_identical(ram_worker: str) -> None:
+    """A 600-token prompt (past the sliding window) loses its cached lane to
+    another prompt; sent again, its cells are loaded from host memory and
+    trimmed, and its continuation's logits equal the cold run's to the bit."""
+    with Client(ram_worker) as c:
+        a, b = _prompt(c, "ram-a", 600), _prompt(c, "ram-b", 100)
+        cold_tokens, cold_rows = _greedy_with_logits(c, "a1", a, 8)
+        c.drop("a1")  # a's lane is the cached one
+        c.call("generate", None, {"tokens": b, "max_tokens": 4, "stream": False})
+        before = _prefix_stats(c)  # b's lane is cached now; a's cells went to host memory
+        assert before["lanes_cached"] == 1 and before["ram_kept"] == 1
+        assert before["ram_prompts"] == 1 and 0 < before["ram_bytes"] <= 64 << 20
+        warm_tokens, warm_rows = _greedy_with_logits(c, "a2", a, 8)
+        after = _prefix_stats(c)
+        assert after["ram_hits"] == before["ram_hits"] + 1
+        assert after["reused_tokens"] - before["reused_tokens"] == 599
+        assert after["ram_prompts"] == 0  # taken out: the lane holds it now
+        assert warm_tokens == cold_tokens
+        assert float(np.abs(warm_rows - cold_rows).max()) == 0.0
 
 
 # -- the pool, without a model ---------------------------------------------------------
@@ -165,3 +203,43 @@ def test_sliding_window_guard_refuses_a_prefix_the_window_lost() -> None:
     engine.n_swa = 0  # a model without sliding-window layers
     engine.pos_min = lambda lane: 300
     assert window_holds(rt.engine, 0, 10)
+
+
+def test_prompt_ram_finds_the_longest_shared_prefix_and_stays_within_its_limit() -> None:
+    ram = PromptRam(limit=300)
+    assert ram.keep([1, 2, 3, 4], np.zeros(100, np.uint8))
+    assert ram.keep([1, 2, 9], np.zeros(100, np.uint8))
+    assert ram.best([1, 2, 3, 4, 5], longest=4) == (0, 4)
+    assert ram.best([1, 2, 9, 9], longest=3) == (1, 3)
+    assert ram.best([1, 2, 3, 4, 5], longest=2) == (0, 2)  # at most ``longest``
+    assert ram.best([7, 8], longest=1) is None
+    # An entry a newer one extends serves nothing the newer one cannot: it goes.
+    assert ram.keep([1, 2, 9, 9, 9], np.zeros(100, np.uint8))
+    assert [t for t, _ in ram.entries.values()] == [[1, 2, 3, 4], [1, 2, 9, 9, 9]]
+    # Past the limit the least recently kept go; what alone exceeds it is refused.
+    assert ram.keep([5, 6], np.zeros(150, np.uint8))
+    assert [t for t, _ in ram.entries.values()] == [[1, 2, 9, 9, 9], [5, 6]]
+    assert ram.nbytes == 250
+    assert not ram.keep([8], np.zeros(301, np.uint8)) and ram.nbytes == 250
+    tokens, kv = ram.take(next(iter(ram.entries)))
+    assert tokens == [1, 2, 9, 9, 9] and kv.nbytes == 100 and ram.nbytes == 150
+
+
+def test_only_lanes_worth_a_load_go_to_host_memory() -> None:
+    """A lane shorter than ``MIN_RAM_TOKENS`` is cheaper to prefill again than
+    to keep; a longer one is saved with every cell (``all_cells``)."""
+    asked: list[tuple[int, bool]] = []
+
+    def state_get(lane: int, all_cells: bool = False) -> np.ndarray:
+        asked.append((lane, all_cells))
+        return np.zeros(10, np.uint8)
+
+    rt = SimpleNamespace(
+        engine=SimpleNamespace(state_get=state_get),
+        prompt_ram=PromptRam(1000),
+        prefix=PrefixStats(),
+    )
+    keep_evicted(rt, 3, list(range(MIN_RAM_TOKENS - 1)))  # type: ignore[arg-type]
+    assert asked == [] and rt.prefix.ram_kept == 0
+    keep_evicted(rt, 3, list(range(MIN_RAM_TOKENS)))  # type: ignore[arg-type]
+    assert asked == [(3, True)] and rt.prefix.ram_kept == 1 and len(rt.prompt_ram.entries) == 1

@@ -47,6 +47,7 @@ class WorkerConfig:
     session_idle_s: float = 600.0
     park_bytes: int = -1  # memory for parked sessions; -1 = a quarter of the memory limit, 0 = off
     park_dir: str = ""  # a directory for parked sessions past --park-bytes; "" = evict them
+    prompt_ram_bytes: int = -1  # evicted prefix-cache lanes in host memory; -1 = an eighth, 0 = off
     max_request_bytes: int = 4 * 1024 * 1024
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     log_format: str = "auto"
@@ -163,6 +164,13 @@ _OPTIONS: list[tuple[str, type, str]] = [
         str,
         "directory for parked sessions past --park-bytes; without it the least recently parked "
         "are evicted (naming one answers session_not_active)",
+    ),
+    (
+        "prompt-ram-bytes",
+        int,
+        "host memory for the cells of prompts the prefix cache's lanes had to give up (a prompt "
+        "sharing their prefix loads them instead of prefilling); -1 = an eighth of the memory "
+        "this worker may use, 0 = off",
     ),
     ("max-request-bytes", int, "largest request header; larger is payload_too_large"),
     (
@@ -304,6 +312,8 @@ def parse(argv: Sequence[str] | None = None) -> WorkerConfig:
         raise SystemExit(f"skiff-worker: --cpus {cfg.cpus!r}: {exc}") from None
     if cfg.park_bytes < -1:
         raise SystemExit("skiff-worker: --park-bytes must be >= 0, or -1 for the default")
+    if cfg.prompt_ram_bytes < -1:
+        raise SystemExit("skiff-worker: --prompt-ram-bytes must be >= 0, or -1 for the default")
     if cfg.send_hwm < 1:
         raise SystemExit("skiff-worker: --send-hwm must be positive")
     if cfg.repack and cfg.kernels == "exact":
@@ -354,6 +364,13 @@ def park_bytes(cfg: WorkerConfig) -> int:
     if cfg.park_bytes >= 0:
         return cfg.park_bytes
     return memory_limit() // 4
+
+
+def prompt_ram_bytes(cfg: WorkerConfig) -> int:
+    """``--prompt-ram-bytes`` resolved: -1 is an eighth of the memory this
+    process may use (as ``park_bytes``, half its share: a lost prompt costs
+    a prefill, a lost parked session its whole conversation)."""
+    return cfg.prompt_ram_bytes if cfg.prompt_ram_bytes >= 0 else memory_limit() // 8
 
 
 def curve_keys(cfg: WorkerConfig) -> Curve | None:

@@ -34,7 +34,7 @@ from .api.ops import DOWNSTREAM_OPS, DRAIN_OPS, OPS, allowed, refuse
 from .api.requests import Generation
 from .api.validate import Context
 from .chain.setup import StagePlan, link_for
-from .config import WorkerConfig, park_bytes
+from .config import WorkerConfig, park_bytes, prompt_ram_bytes
 from .core.chat import ChatJob, ChatTemplate
 from .core.jobs.base import MAX_SPAN_ROWS, Event, Failure, Job, Outbox, Output, Tensors, Ticket
 from .core.jobs.generate import GenerateJob
@@ -50,6 +50,7 @@ from .profile import Profile
 from .runtime import Ephemeral, RuntimeState, SessionId
 from .runtime.draft import DraftModel
 from .runtime.park import Park
+from .runtime.prefix import PromptRam
 from .runtime.steps import AUTO_MAX_DRAFT, AUTO_NGRAM, Drafter, PromptLookup
 from .slice.ggufmeta import tied_head
 from .spec import GrammarChecker
@@ -91,6 +92,7 @@ class LlmService:
             tap_layer=stage.tap_layer if stage else None,
             n_layer=stage.n_layer if stage else None,
             park=_park(cfg) if not stage else None,
+            prompt_ram=PromptRam(limit) if (limit := prompt_ram_bytes(cfg)) > 0 else None,
         )
         self.chat = ChatTemplate.load(cfg.chat_template, engine)
         self.tied_head = tied_head(resolve_model(cfg.model))

@@ -30,6 +30,8 @@ from .seqstate import FileDigest, restream
 from .tap import TapError, in_batch_order, ubatch_rows
 
 OutputMode = Literal["none", "last", "all"]
+# LLAMA_STATE_SEQ_FLAGS_ALL_CELLS, defined by skiff's patch (scripts/llama_patch.py)
+_STATE_ALL_CELLS = 4
 
 
 @dataclass(frozen=True)
@@ -346,13 +348,17 @@ class Engine:
     def seq_clear(self, seq: int) -> None:
         ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
-    def state_get(self, seq: int) -> np.ndarray:
+    def state_get(self, seq: int, all_cells: bool = False) -> np.ndarray:
         """One sequence's KV state, written by llama.cpp straight into a new
-        uint8 array (the array is what travels; no further copy)."""
-        size = int(ll.llama_state_seq_get_size(self.ctx_handle, seq))
+        uint8 array (the array is what travels; no further copy). Upstream
+        leaves out the cells a sliding window masks (enough to go on from
+        the end); ``all_cells`` keeps them (skiff's patch), so the state can
+        be loaded and trimmed back to any shorter prefix."""
+        flags = _STATE_ALL_CELLS if all_cells else 0
+        size = int(ll.llama_state_seq_get_size_ext(self.ctx_handle, seq, flags))
         out = np.empty(size, dtype=np.uint8)
         ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = int(ll.llama_state_seq_get_data(self.ctx_handle, ptr, size, seq))
+        n = int(ll.llama_state_seq_get_data_ext(self.ctx_handle, ptr, size, seq, flags))
         if n <= 0:
             raise EngineError(f"llama.cpp could not save lane {seq}")
         return out[:n]

@@ -114,6 +114,7 @@ class LanePool:
         # lane -> the tokens its KV holds; LRU first
         self._cached: OrderedDict[int, list[int]] = OrderedDict()
         self.evicted: list[int] = []  # lanes to clear before reuse
+        self.evicted_tokens: dict[int, list[int]] = {}  # what those lanes held
         self.sessions: dict[SessionId, Session] = {}
 
     @property
@@ -151,7 +152,7 @@ class LanePool:
 
         lane = min([*self._free, *self._cached], key=key)
         if lane in self._cached:
-            del self._cached[lane]
+            self.evicted_tokens[lane] = self._cached.pop(lane)
             self.evicted.append(lane)
         else:
             self._free.remove(lane)
@@ -209,7 +210,8 @@ class LanePool:
         if keep and session.tokens and self.cache_limit > 0:
             self._cached[session.lane] = session.tokens
             while len(self._cached) > self.cache_limit:
-                lane, _ = self._cached.popitem(last=False)
+                lane, held = self._cached.popitem(last=False)
+                self.evicted_tokens[lane] = held
                 self.evicted.append(lane)
                 self._free.append(lane)
         else:
@@ -220,7 +222,8 @@ class LanePool:
         """Stop caching every idle lane (their cells are wanted); they join ``evicted``."""
         count = len(self._cached)
         while self._cached:
-            lane, _ = self._cached.popitem(last=False)
+            lane, held = self._cached.popitem(last=False)
+            self.evicted_tokens[lane] = held
             self.evicted.append(lane)
             self._free.append(lane)
         return count

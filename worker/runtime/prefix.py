@@ -1,20 +1,43 @@
-"""Prefix-cache policy: the shortest prefix worth reusing, and the counters.
+"""Prefix-cache policy: the shortest prefix worth reusing, the counters,
+and the host-memory tier behind the lanes.
 
 ``RuntimeState.admit_prompt`` reuses a cached lane's prefix: every shared
 token but the last (the last is computed again for its logits). That is
 exact: rows are batch-invariant (``engine.kernels``), so cells computed in
 another prompt's pieces equal the ones a cold prefill would compute. Only
 the sliding window can refuse a reuse (``window_holds``).
+
+Idle lanes are few (a lane per running stream is not idle), so a prompt
+that comes back after other prompts took its lane used to be prefilled
+again. ``PromptRam`` keeps the cells of an evicted cached lane in host
+memory instead (``llama_state_seq_get_data``, ~18 KiB a token for Gemma 3
+270M), bounded by ``--prompt-ram-bytes``, least recently kept dropped first,
+as llama-server's ``--cache-ram`` does for its slots. A prompt whose longest
+shared prefix is there (and longer than any lane's) gets the cells loaded
+into its new lane, then trimmed to the shared part: the cells come back byte
+for byte, so the reuse is as exact as a lane's.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from ..engine import Engine
+import numpy as np
+from structlog import get_logger
+
+from ..engine import Engine, EngineError
+from .lanes import Session, SessionId
+
+_log = get_logger("skiff.runtime")
 
 # A cached prefix shorter than this is not worth giving up an empty lane for.
 MIN_PREFIX_REUSE = 8
+# A lane holding fewer tokens than this is not worth saving to host memory:
+# loading its cells costs about what prefilling them would.
+MIN_RAM_TOKENS = 64
 
 
 @dataclass
@@ -24,6 +47,60 @@ class PrefixStats:
     reused_tokens: int = 0
     evictions: int = 0
     refused_window: int = 0  # partial hits the sliding window no longer covered
+    ram_kept: int = 0  # evicted lanes whose cells went to host memory
+    ram_hits: int = 0  # prompts whose prefix came back from host memory (also in hits)
+
+
+def shared(held: Sequence[int], tokens: Sequence[int], longest: int) -> int:
+    """How many leading tokens ``held`` and ``tokens`` share, at most ``longest``."""
+    n = min(len(held), len(tokens), longest)
+    common = 0
+    while common < n and held[common] == tokens[common]:
+        common += 1
+    return common
+
+
+class PromptRam:
+    """Evicted prefix-cache lanes' cells in host memory, by their tokens."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.entries: OrderedDict[int, tuple[list[int], np.ndarray]] = OrderedDict()  # LRU first
+        self.nbytes = 0
+        self._next = 0
+
+    def keep(self, tokens: list[int], kv: np.ndarray) -> bool:
+        """Keep ``kv`` (the cells of ``tokens``); entries it extends go, and the
+        least recently kept past the limit. False when it alone is too large."""
+        if kv.nbytes > self.limit:
+            return False
+        for key, (held, _) in list(self.entries.items()):
+            if len(held) <= len(tokens) and shared(held, tokens, len(held)) == len(held):
+                self._drop(key)  # a prefix of this one: nothing it could serve more of
+        self.entries[self._next] = (tokens, kv)
+        self._next += 1
+        self.nbytes += kv.nbytes
+        while self.nbytes > self.limit:
+            self._drop(next(iter(self.entries)))
+        return True
+
+    def best(self, tokens: Sequence[int], longest: int) -> tuple[int, int] | None:
+        """(key, shared tokens) of the entry sharing the longest prefix with
+        ``tokens`` (at most ``longest``); None when none shares any."""
+        found: tuple[int, int] | None = None
+        for key, (held, _) in self.entries.items():
+            common = shared(held, tokens, longest)
+            if common and (found is None or common > found[1]):
+                found = (key, common)
+        return found
+
+    def take(self, key: int) -> tuple[list[int], np.ndarray]:
+        tokens, kv = self.entries.pop(key)
+        self.nbytes -= kv.nbytes
+        return tokens, kv
+
+    def _drop(self, key: int) -> None:
+        self.take(key)
 
 
 def window_holds(engine: Engine, lane: int, common: int) -> bool:
@@ -40,3 +117,63 @@ def window_holds(engine: Engine, lane: int, common: int) -> bool:
     if n_swa <= 0 or common == 0:
         return True
     return engine.pos_min(lane) <= max(0, common - n_swa)
+
+
+class RamHost(Protocol):
+    """What the host-memory tier uses of ``RuntimeState`` (kept apart so this
+    module and ``state`` do not import each other)."""
+
+    engine: Engine
+    prompt_ram: PromptRam | None
+    prefix: PrefixStats
+
+    def admit(self, session_ids: Sequence[SessionId], ephemeral: bool = False) -> list[Session]: ...
+
+    def check_position(self, session: Session) -> None: ...
+
+
+def keep_evicted(rt: RamHost, lane: int, held: list[int]) -> None:
+    """An evicted cached lane's cells to host memory (before it is cleared)."""
+    assert rt.prompt_ram is not None
+    if len(held) < MIN_RAM_TOKENS:
+        return
+    try:
+        rt.prefix.ram_kept += rt.prompt_ram.keep(held, rt.engine.state_get(lane, all_cells=True))
+    except EngineError as exc:  # not kept: a later prompt prefills it again
+        _log.warning("prompt_ram_save_failed", lane=lane, error=str(exc))
+
+
+def admit_from_ram(
+    rt: RamHost,
+    session_id: SessionId,
+    prompt: Sequence[int],
+    ephemeral: bool,
+    kept: tuple[int, int],
+) -> tuple[Session, int]:
+    """``admit_prompt`` with a prefix kept in host memory: a new lane, the
+    cells loaded into it and trimmed to the shared part; (session, reused
+    tokens), 0 when llama.cpp refused the cells (prefilled cold then). The
+    entry is taken out first: the admission may itself send an evicted lane
+    to host memory, which could push this entry out."""
+    assert rt.prompt_ram is not None
+    key, common = kept
+    held, kv = rt.prompt_ram.take(key)
+    try:
+        (session,) = rt.admit([session_id], ephemeral)
+    except BaseException:
+        rt.prompt_ram.keep(held, kv)
+        raise
+    lane, engine = session.lane, rt.engine
+    loaded = engine.state_set(lane, kv) and engine.pos_max(lane) + 1 == len(held)
+    if not (loaded and window_holds(engine, lane, common) and engine.seq_rm(lane, common, -1)):
+        engine.seq_clear(lane)
+        rt.prefix.misses += 1
+        rt.check_position(session)
+        return session, 0
+    session.position = common
+    session.tokens = list(prompt[:common])
+    rt.check_position(session)
+    rt.prefix.hits += 1
+    rt.prefix.ram_hits += 1
+    rt.prefix.reused_tokens += common
+    return session, common

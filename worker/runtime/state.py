@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 from faults import BadRequest, ContextOverflow, EngineFault, PositionMismatch, SessionNotActive
 
 from ..engine import Engine, Segment
-from . import chain
+from . import chain, prefix
 from .chain import Call, Flight
 from .lanes import LanePool, Session, SessionId
 from .park import Park, make_room, parkable, restore
-from .prefix import MIN_PREFIX_REUSE, PrefixStats, window_holds
+from .prefix import MIN_PREFIX_REUSE, PrefixStats, PromptRam, window_holds
 from .steps import RowReader, Step, StepResult, group_steps, output_rows
 from .tail import Tail
 
@@ -52,6 +52,7 @@ class RuntimeState:
         tap_layer: int | None = None,
         n_layer: int | None = None,
         park: Park | None = None,
+        prompt_ram: PromptRam | None = None,
     ) -> None:
         if (tail is None) != (tap_layer is None):
             raise ValueError("a stage with a next stage needs a layer tap, and only it")
@@ -69,7 +70,9 @@ class RuntimeState:
         if tail is not None:
             prefix_cache = 0  # a reused lane would need the same prefix downstream
             park = None  # a stage's cells are one part of a session spread down the chain
+            prompt_ram = None
         self.park = park
+        self.prompt_ram = prompt_ram  # evicted cached lanes' cells (prefix.py)
         self.pinned: Callable[[SessionId], bool] = lambda _sid: True  # the Scheduler's busy
         self.lanes = LanePool(engine.n_seq, prefix_cache)
         self.ctx_per_lane = engine.n_ctx_per_seq
@@ -180,6 +183,11 @@ class RuntimeState:
         cached = reuse and self.lanes.cached > 0
         match = self.lanes.best_prefix(prompt, len(prompt) - 1) if cached else None
         common = match[1] if match is not None else 0
+        ram = self.prompt_ram
+        if reuse and ram is not None and ram.entries:
+            kept = ram.best(prompt, len(prompt) - 1)
+            if kept is not None and kept[1] > common and kept[1] >= MIN_PREFIX_REUSE:
+                return prefix.admit_from_ram(self, session_id, prompt, ephemeral, kept)
         if match is None or common < MIN_PREFIX_REUSE:
             self.prefix.misses += 1
             (session,) = self.admit([session_id], ephemeral)
@@ -206,6 +214,9 @@ class RuntimeState:
 
     def _clear_evicted(self) -> None:
         for lane in self.lanes.take_evicted():
+            held = self.lanes.evicted_tokens.pop(lane, None)
+            if self.prompt_ram is not None and held:
+                prefix.keep_evicted(self, lane, held)  # to host memory before the lane is cleared
             self.engine.seq_clear(lane)
             self.prefix.evictions += 1
 
