@@ -215,14 +215,14 @@ def test_prompt_ram_finds_the_longest_shared_prefix_and_stays_within_its_limit()
     assert ram.best([7, 8], longest=1) is None
     # An entry a newer one extends serves nothing the newer one cannot: it goes.
     assert ram.keep([1, 2, 9, 9, 9], np.zeros(100, np.uint8))
-    assert [t for t, _ in ram.entries.values()] == [[1, 2, 3, 4], [1, 2, 9, 9, 9]]
+    assert [t.tolist() for t, _ in ram.entries.values()] == [[1, 2, 3, 4], [1, 2, 9, 9, 9]]
     # Past the limit the least recently kept go; what alone exceeds it is refused.
     assert ram.keep([5, 6], np.zeros(150, np.uint8))
-    assert [t for t, _ in ram.entries.values()] == [[1, 2, 9, 9, 9], [5, 6]]
+    assert [t.tolist() for t, _ in ram.entries.values()] == [[1, 2, 9, 9, 9], [5, 6]]
     assert ram.nbytes == 250
     assert not ram.keep([8], np.zeros(301, np.uint8)) and ram.nbytes == 250
     tokens, kv = ram.take(next(iter(ram.entries)))
-    assert tokens == [1, 2, 9, 9, 9] and kv.nbytes == 100 and ram.nbytes == 150
+    assert tokens.tolist() == [1, 2, 9, 9, 9] and kv.nbytes == 100 and ram.nbytes == 150
 
 
 def test_only_lanes_worth_a_load_go_to_host_memory() -> None:

@@ -51,33 +51,36 @@ class PrefixStats:
     ram_hits: int = 0  # prompts whose prefix came back from host memory (also in hits)
 
 
-def shared(held: Sequence[int], tokens: Sequence[int], longest: int) -> int:
-    """How many leading tokens ``held`` and ``tokens`` share, at most ``longest``."""
-    n = min(len(held), len(tokens), longest)
-    common = 0
-    while common < n and held[common] == tokens[common]:
-        common += 1
-    return common
+def _shared(held: np.ndarray, tokens: np.ndarray) -> int:
+    """How many leading tokens two id arrays share."""
+    n = min(len(held), len(tokens))
+    differ = np.flatnonzero(held[:n] != tokens[:n])
+    return int(differ[0]) if differ.size else n
 
 
 class PromptRam:
-    """Evicted prefix-cache lanes' cells in host memory, by their tokens."""
+    """Evicted prefix-cache lanes' cells in host memory, by their tokens.
+
+    Token ids are kept as arrays: every prompt admitted compares its ids with
+    every entry's (a few microseconds each, where a Python loop over a shared
+    system prompt took milliseconds)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.entries: OrderedDict[int, tuple[list[int], np.ndarray]] = OrderedDict()  # LRU first
+        self.entries: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # LRU first
         self.nbytes = 0
         self._next = 0
 
-    def keep(self, tokens: list[int], kv: np.ndarray) -> bool:
+    def keep(self, tokens: Sequence[int] | np.ndarray, kv: np.ndarray) -> bool:
         """Keep ``kv`` (the cells of ``tokens``); entries it extends go, and the
         least recently kept past the limit. False when it alone is too large."""
         if kv.nbytes > self.limit:
             return False
+        ids = np.asarray(tokens, dtype=np.int64)
         for key, (held, _) in list(self.entries.items()):
-            if len(held) <= len(tokens) and shared(held, tokens, len(held)) == len(held):
+            if len(held) <= len(ids) and _shared(held, ids) == len(held):
                 self._drop(key)  # a prefix of this one: nothing it could serve more of
-        self.entries[self._next] = (tokens, kv)
+        self.entries[self._next] = (ids, kv)
         self._next += 1
         self.nbytes += kv.nbytes
         while self.nbytes > self.limit:
@@ -87,17 +90,19 @@ class PromptRam:
     def best(self, tokens: Sequence[int], longest: int) -> tuple[int, int] | None:
         """(key, shared tokens) of the entry sharing the longest prefix with
         ``tokens`` (at most ``longest``); None when none shares any."""
+        ids = np.asarray(tokens[:longest], dtype=np.int64)
         found: tuple[int, int] | None = None
         for key, (held, _) in self.entries.items():
-            common = shared(held, tokens, longest)
+            common = _shared(held, ids)
             if common and (found is None or common > found[1]):
                 found = (key, common)
         return found
 
-    def take(self, key: int) -> tuple[list[int], np.ndarray]:
-        tokens, kv = self.entries.pop(key)
+    def take(self, key: int) -> tuple[np.ndarray, np.ndarray]:
+        """Entry ``key``'s token ids and cells, out of host memory."""
+        ids, kv = self.entries.pop(key)
         self.nbytes -= kv.nbytes
-        return tokens, kv
+        return ids, kv
 
     def _drop(self, key: int) -> None:
         self.take(key)
