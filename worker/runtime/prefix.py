@@ -170,8 +170,19 @@ def admit_from_ram(
         raise
     lane, engine = session.lane, rt.engine
     loaded = engine.state_set(lane, kv) and engine.pos_max(lane) + 1 == len(held)
-    if not (loaded and window_holds(engine, lane, common) and engine.seq_rm(lane, common, -1)):
-        engine.seq_clear(lane)
+    ok = loaded and window_holds(engine, lane, common) and engine.seq_rm(lane, common, -1)
+    rt.prefix.ram_hits += ok
+    return reused(rt, session, prompt, common, ok)
+
+
+def reused(
+    rt: RamHost, session: Session, prompt: Sequence[int], common: int, ok: bool
+) -> tuple[Session, int]:
+    """The end of a prefix reuse: with ``ok`` (the lane's cells trimmed to
+    ``common``) the session goes on from there; else its lane is cleared and
+    the prompt prefilled cold. (session, reused tokens)."""
+    if not ok:
+        rt.engine.seq_clear(session.lane)
         rt.prefix.misses += 1
         rt.check_position(session)
         return session, 0
@@ -179,6 +190,5 @@ def admit_from_ram(
     session.tokens = list(prompt[:common])
     rt.check_position(session)
     rt.prefix.hits += 1
-    rt.prefix.ram_hits += 1
     rt.prefix.reused_tokens += common
     return session, common

@@ -200,17 +200,7 @@ class RuntimeState:
             return session, 0
         (session,) = self.lanes.admit([session_id], ephemeral, prefer=lane)
         self._clear_evicted()
-        if not self.engine.seq_rm(lane, common, -1):
-            self.engine.seq_clear(lane)
-            self.prefix.misses += 1
-            self.check_position(session)
-            return session, 0
-        session.position = common
-        session.tokens = list(prompt[:common])
-        self.check_position(session)
-        self.prefix.hits += 1
-        self.prefix.reused_tokens += common
-        return session, common
+        return prefix.reused(self, session, prompt, common, self.engine.seq_rm(lane, common, -1))
 
     def _clear_evicted(self) -> None:
         for lane in self.lanes.take_evicted():
