@@ -60,6 +60,15 @@ upstream. Each edit must match the
 source exactly once or the build stops: a new llama.cpp version cannot skip
 one silently.
 
+One edit is not about kernels: ``LLAMA_STATE_SEQ_FLAGS_ALL_CELLS`` (4), a
+flag for ``llama_state_seq_get_data_ext``. Upstream's sequence state leaves
+out the cells a sliding window masks (enough to go on from the end, so a
+608-token lane of Gemma 3 comes back with ``pos_min`` 96); with the flag
+every cell is written, so a prompt kept in host memory
+(``worker/runtime/prefix.py``) can be loaded and trimmed back to any
+shorter prefix. Only that save asks for it; park, export and migration
+save what upstream does.
+
 The sdist comes from the package index like any package (``pip download``);
 no other source is fetched.
 """

@@ -63,6 +63,8 @@ class WorkerSnapshot:
     prefix_misses: int
     prefix_reused_tokens: int
     prefix_evictions: int
+    prefix_ram_kept: int
+    prefix_ram_hits: int
     admitted: int
     rejected: int
     cancelled: int
@@ -75,6 +77,7 @@ class WorkerSnapshot:
     restores: int = 0
     park_evictions: int = 0
     restore_seconds: float = 0.0
+    prompt_ram_bytes: int = 0
 
 
 def read_snapshot(service: LlmService, kv_cells_total: int) -> WorkerSnapshot:
@@ -92,7 +95,9 @@ def read_snapshot(service: LlmService, kv_cells_total: int) -> WorkerSnapshot:
     sessions = list(lanes.sessions.values())
     busy = len(sessions)
     park = service.rt.park
+    ram = service.rt.prompt_ram
     return WorkerSnapshot(
+        prompt_ram_bytes=ram.nbytes if ram is not None else 0,
         parked_sessions=len(park) if park is not None else 0,
         park_bytes=park.memory_bytes if park is not None else 0,
         park_disk_bytes=park.disk_bytes if park is not None else 0,
@@ -112,6 +117,8 @@ def read_snapshot(service: LlmService, kv_cells_total: int) -> WorkerSnapshot:
         prefix_misses=prefix.misses,
         prefix_reused_tokens=prefix.reused_tokens,
         prefix_evictions=prefix.evictions,
+        prefix_ram_kept=prefix.ram_kept,
+        prefix_ram_hits=prefix.ram_hits,
         admitted=stats.admitted,
         rejected=stats.rejected,
         cancelled=stats.cancelled,
@@ -146,6 +153,11 @@ class WorkerCollector(Collector):
             ("skiff_parked_sessions", "Idle sessions parked off their lanes.", s.parked_sessions),
             ("skiff_park_bytes", "Host memory holding parked sessions.", s.park_bytes),
             ("skiff_park_disk_bytes", "Parked sessions spilled to --park-dir.", s.park_disk_bytes),
+            (
+                "skiff_prompt_ram_bytes",
+                "Host memory holding evicted cached lanes' prompts (--prompt-ram-bytes).",
+                s.prompt_ram_bytes,
+            ),
         ]
         for name, text, value in gauges:
             yield GaugeMetricFamily(name, text, value=value)
@@ -158,6 +170,16 @@ class WorkerCollector(Collector):
                 s.prefix_reused_tokens,
             ),
             ("skiff_prefix_cache_evictions", "Cached lanes evicted (LRU).", s.prefix_evictions),
+            (
+                "skiff_prefix_cache_ram_kept",
+                "Evicted cached lanes whose cells went to host memory.",
+                s.prefix_ram_kept,
+            ),
+            (
+                "skiff_prefix_cache_ram_hits",
+                "Prompts whose prefix came back from host memory (also in hits).",
+                s.prefix_ram_hits,
+            ),
             ("skiff_parks", "Sessions parked to free a lane.", s.parks),
             ("skiff_park_restores", "Parked sessions restored into a lane.", s.restores),
             (
