@@ -173,8 +173,10 @@ class Upstream:
         """The request's next reply; an error reply (or none in time) raises ``ApiError``."""
         try:
             if pending.queue.empty():
-                reply = await asyncio.wait_for(pending.queue.get(), self.timeout_ms / 1000)
-            else:  # no timer task per token when replies are already waiting
+                # a timer on this task, not ``wait_for``'s extra task per reply
+                async with asyncio.timeout(self.timeout_ms / 1000):
+                    reply = await pending.queue.get()
+            else:  # no timer at all when replies are already waiting
                 reply = pending.queue.get_nowait()
         except TimeoutError:  # still unfinished: ``release`` cancels it upstream
             raise timed_out(f"no reply within {self.timeout_ms} ms") from None
