@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_moves import cpu_flags  # noqa: E402
+from _machine import cpu_flags  # noqa: E402
 
 from protocol import Client  # noqa: E402
 

@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from _machine import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -79,10 +81,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="requests per concurrent user")
     ap.add_argument("--pings", type=int, default=5000)
     args = ap.parse_args()
-    flags = sorted(
-        {f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))}
-    )
-    print(f"cpu flags: {' '.join(flags)}")
+    flags = cpu_flags()
+    print(f"cpu flags: {flags}")
     with tempfile.TemporaryDirectory() as tmp:
         trees: dict[str, Path] = {}
         for label, rev in (("old", args.old), ("new", args.new)):

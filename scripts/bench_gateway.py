@@ -46,6 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _machine import cpu_flags  # noqa: E402
+
 from loadtest import run_load  # noqa: E402
 from protocol import Client  # noqa: E402
 
@@ -290,6 +292,7 @@ def main() -> None:
         f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} alternating rounds, "
         "fresh processes (cold caches) for every load"
     )
+    print(f"  CPU flags: {cpu_flags()}")
     for name, rs in runs.items():
         each = " / ".join(f"{r['throughput']['output_tok_s']:.1f}" for r in rs)
         itl = statistics.mean(r["itl_ms"]["p50"] for r in rs)

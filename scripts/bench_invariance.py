@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from _machine import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -113,10 +115,8 @@ def main() -> None:
                    "--steps", str(args.steps), "--threads", str(args.threads)]  # fmt: skip
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             results[name].append(json.loads(proc.stdout))
-    flags = sorted(
-        {f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))}
-    )
-    print(f"cpu flags: {' '.join(flags)}; threads {args.threads}; rounds {args.rounds}")
+    flags = cpu_flags()
+    print(f"cpu flags: {flags}; threads {args.threads}; rounds {args.rounds}")
     last = names[-1]
     print(f"{'figure':<20} " + " ".join(f"{n:>11}" for n in names) + f"   ratios to {last}")
     for key in results[names[0]][0]:

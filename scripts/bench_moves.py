@@ -33,14 +33,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _machine import cpu_flags  # noqa: E402
+
 from protocol import Client  # noqa: E402
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    wanted = [f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
-    return " ".join(sorted(set(wanted)))
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_vs_llama_server as peer  # noqa: E402
-from bench_moves import cpu_flags  # noqa: E402
+from _machine import cpu_flags  # noqa: E402
 from build_llama_server import built  # noqa: E402
 
 from loadtest.prompts import prompt_of_tokens  # noqa: E402

@@ -37,19 +37,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from _bench_serving_common import LANES, N_CTX, THREADS  # noqa: E402
+from _machine import cpu_flags  # noqa: E402
 
 from worker.engine import Engine, EngineConfig, Segment  # noqa: E402
 from worker.models import default_model_path  # noqa: E402
 
 SIZES = (16, 32, 48, 64, 96, 128)
 CONTEXT = 200  # tokens each decoding stream holds
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    wanted = [f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
-    return " ".join(sorted(set(wanted)))
 
 
 def main() -> int:

@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from _machine import cpu_flags  # noqa: E402
 from build_llama_server import built  # noqa: E402
 
 from loadtest.prompts import prompt_of_tokens  # noqa: E402
@@ -338,7 +339,7 @@ Rows = dict[str, dict[str, float]]
 
 
 def _table(name: str, skiff: Rows, peer: Rows) -> None:
-    print(f"\n{name} / llama-server")
+    print(f"\n{name} / llama-server (CPU flags: {cpu_flags()})")
     # ITL p99 / step: the bar is <= 3 (a token's worst gap against the median
     # step, the time between two arrivals; ITL p50 is 0 when several tokens
     # of a speculative span arrive at once, so p99 / p50 says nothing then)

@@ -42,6 +42,8 @@ import venv
 from pathlib import Path
 from typing import Any
 
+from _machine import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -279,10 +281,8 @@ def main() -> None:
         names = sorted(p.name[len("libggml-cpu-") : -3] for p in backends.glob("libggml-cpu-*.so"))
         wanted = [v for v in args.variants.split(",") if v] or names
         runs = [(v, py, backends / f"libggml-cpu-{v}.so") for v in wanted]
-    flags = sorted(
-        {f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))}
-    )
-    print(f"host cpu flags: {' '.join(flags)}")
+    flags = cpu_flags()
+    print(f"host cpu flags: {flags}")
     print(f"lengths: {lengths}; cells: max abs logit diff (0 = exact)")
     cols = CLAIMS + KNOWN
     print(f"{'variant':<13} {'rule':<9} " + " ".join(f"{c:>8}" for c in cols) + "  needs")
