@@ -95,6 +95,12 @@ def pinger(procs: Procs, endpoint: str) -> Iterator[dict[str, Any]]:
         procs.stop(proc)
 
 
+def forward_mix(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The run's forwards without and with prompt pieces (``stats.forward_mix``)."""
+    a, b = after["forward_mix"], before["forward_mix"]
+    return {kind: {k: a[kind][k] - b[kind][k] for k in a[kind]} for kind in a}
+
+
 def turn_profile(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     """ms per forward in each part of the worker's loop and turns over a run
     (two ``stats["profile"]`` snapshots; worker/profile.py names the parts)."""
@@ -198,6 +204,7 @@ def bench_skiff(
                     "itl_p50_ms": summary["itl_ms"]["p50"],
                     "itl_p99_ms": summary["itl_ms"]["p99"],
                     "profile_ms_per_forward": profile,
+                    "forward_mix": forward_mix(before, after),
                 },
             )
             if c == max(concurrencies):

@@ -60,6 +60,9 @@ def bench_raw(
         token_lists = [engine.tokenize(p) for p in prompts_out]
         lengths_out.extend(len(t) for t in token_lists)
 
+        prefill_s: list[float] = []  # each prompt forward's seconds
+        prompt_tokens = [0]  # of those forwards
+
         def round_(seqs: list[int], prompts: list[list[int]], steps: int) -> list[float]:
             """Prefill each sequence's prompt, then decode ``steps-1`` batched steps."""
             for s in seqs:
@@ -73,12 +76,15 @@ def bench_raw(
                 while pending and used + len(pending[0][1]) <= engine.n_batch:
                     batch.append(pending.pop(0))
                     used += len(batch[-1][1])
+                t = time.perf_counter()
                 status = engine.decode([Segment(s, toks, 0, "last") for s, toks in batch])
                 if not status.ok:
                     raise RuntimeError(f"raw prefill failed: {status.describe()}")
                 for i, (s, toks) in enumerate(batch):
                     last[s] = engine.greedy(engine.output_index(i))
                     pos[s] = len(toks)
+                prefill_s.append(time.perf_counter() - t)
+                prompt_tokens[0] += used
             step_s: list[float] = []
             for _ in range(steps - 1):
                 t = time.perf_counter()
@@ -98,6 +104,8 @@ def bench_raw(
         for c in concurrencies:
             t0 = time.perf_counter()
             steps: list[float] = []
+            prefill_s.clear()
+            prompt_tokens[0] = 0
             for r in range(k):
                 chosen = [token_lists[(r * c + i) % len(token_lists)] for i in range(c)]
                 steps += round_(list(range(c)), chosen, n_new)
@@ -108,7 +116,17 @@ def bench_raw(
                 tokens,
                 wall,
                 c * k,
-                extra={"decode_step_ms": 1e3 * statistics.fmean(steps)},
+                extra={
+                    "decode_step_ms": 1e3 * statistics.fmean(steps),
+                    "forward_mix": {
+                        "decode_only": {"forwards": len(steps), "seconds": sum(steps)},
+                        "with_prompt": {
+                            "forwards": len(prefill_s),
+                            "seconds": sum(prefill_s),
+                            "prompt_tokens": prompt_tokens[0],
+                        },
+                    },
+                },
             )
             print(f"  raw c={c}: {rows[c].tok_s:.1f} tok/s", file=sys.stderr)
         return rows

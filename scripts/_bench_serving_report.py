@@ -89,6 +89,16 @@ def report(
         )
 
     c_lo, c_hi = min(cs), max(cs)
+    mixes = [
+        (n, rows[c_hi].extra.get("forward_mix") if c_hi in rows else None)
+        for n, rows in (("raw", raw), ("skiff", skiff))
+    ]
+    if any(mix for _, mix in mixes):
+        lines.append("")
+        lines.append(f"c={c_hi}: forwards without / with prompt pieces (llama_decode and rows)")
+        for name, mix in mixes:
+            if mix:
+                lines.append(f"  {name:<6}" + _mix_line(mix))
     prof = skiff[c_hi].extra.get("profile_ms_per_forward") if c_hi in skiff else None
     if prof:
         lines.append("")
@@ -141,3 +151,15 @@ def report(
         target("ping p99 / longest turn <= 1", ratio(p99, ping.get("turn_max_ms")), 1.0, le=True)
     )
     return lines
+
+
+def _mix_line(mix: dict[str, dict[str, float]]) -> str:
+    d, p = mix["decode_only"], mix["with_prompt"]
+    d_ms = 1e3 * d["seconds"] / max(1, d["forwards"])
+    p_ms = 1e3 * p["seconds"] / max(1, p["forwards"])
+    return (
+        f"decode only {d['forwards']:.0f} x {d_ms:.1f} ms = {d['seconds']:.2f} s | "
+        f"with prompts {p['forwards']:.0f} x {p_ms:.1f} ms = {p['seconds']:.2f} s "
+        f"({p.get('prompt_tokens', 0):.0f} prompt tokens) | "
+        f"total {d['seconds'] + p['seconds']:.2f} s"
+    )

@@ -44,6 +44,7 @@ from _bench_serving_clients import bench_http, bench_skiff  # noqa: E402
 from _bench_serving_common import LANES, N_CTX, THREADS, Procs, Row, cpu_busy, free_port  # noqa: E402
 from _bench_serving_raw import bench_raw  # noqa: E402
 from _bench_serving_report import fmt, report  # noqa: E402
+from _machine import cpu_flags  # noqa: E402
 
 from worker.models import default_model_path  # noqa: E402
 
@@ -159,6 +160,7 @@ def main() -> int:
 
     prompt_range = (min(lengths), max(lengths))
     print()
+    print(f"CPU flags: {cpu_flags()}")
     for line in report(systems, ping, cs, n_new, k, prompt_range):
         print(line)
     for line in failed:

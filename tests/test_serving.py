@@ -346,3 +346,28 @@ def test_flood_of_1000_clients_keeps_memory_flat(small: tuple[str, int]) -> None
         assert c.ping() == {"pong": True}
         assert c.stats()["queued"] == 0
     ctx.term()
+
+
+def test_stats_split_forwards_with_and_without_prompt_pieces(client: Client) -> None:
+    """``forward_mix`` counts every forward once, as decode-only or carrying
+    prompt pieces, and the prompt tokens those pieces computed."""
+    before = client.stats()
+    prompt = list(range(5200, 5260))  # ids no other test sends: nothing cached
+    result = client.call(
+        "generate",
+        args={"tokens": prompt, "max_tokens": 6, "ignore_eos": True, "stream": False},
+    ).header["result"]
+    after = client.stats()
+    mix = {
+        kind: {k: after["forward_mix"][kind][k] - before["forward_mix"][kind][k] for k in part}
+        for kind, part in after["forward_mix"].items()
+    }
+    usage = result["usage"]
+    assert usage["completion_tokens"] == 6
+    assert mix["with_prompt"]["forwards"] >= 1
+    assert mix["with_prompt"]["prompt_tokens"] == usage["prompt_tokens"] - usage["cached_tokens"]
+    assert mix["decode_only"]["forwards"] >= 1  # the later tokens (or drafted spans)
+    assert mix["decode_only"]["prompt_tokens"] == 0
+    forwards = after["forwards"] - before["forwards"]
+    assert mix["with_prompt"]["forwards"] + mix["decode_only"]["forwards"] == forwards
+    assert mix["with_prompt"]["seconds"] > 0 and mix["decode_only"]["seconds"] > 0

@@ -55,6 +55,22 @@ class _StepLike(Protocol):
     def sample(self) -> bool: ...
 
 
+@dataclass
+class _Mix:
+    """One kind of forward, counted since start."""
+
+    forwards: int = 0
+    seconds: float = 0.0  # in ``RuntimeState.forward``: llama_decode and the rows
+    prompt_tokens: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "forwards": self.forwards,
+            "seconds": round(self.seconds, 6),
+            "prompt_tokens": self.prompt_tokens,
+        }
+
+
 class SchedulerStats:
     def __init__(self) -> None:
         self.admitted = 0
@@ -71,15 +87,24 @@ class SchedulerStats:
         self._recent_forwards: deque[float] = deque(maxlen=1024)
         self._queue_wait_s = 0.0
         self._queue_waits = 0
+        # forwards without and with prompt pieces, apart: what prompts
+        # arriving cost the streams running beside them
+        self.mix = {"decode_only": _Mix(), "with_prompt": _Mix()}
         self.observer: ForwardObserver | None = None
         # seconds per part of a turn (stats' profile): planning (reap, admit,
         # plan), completing jobs after a forward, a stage's launches and its
         # waits for the chain
         self.timing = {"plan": 0.0, "complete": 0.0, "launch": 0.0, "land_wait": 0.0}
 
-    def record_forward(self, steps: Sequence[_StepLike], seconds: float) -> None:
+    def record_forward(
+        self, steps: Sequence[_StepLike], seconds: float, prompt_tokens: int = 0
+    ) -> None:
         decode = sum(1 for s in steps if len(s.tokens) == 1 and s.sample)
         total = sum(len(s.tokens) for s in steps)
+        mix = self.mix["with_prompt" if prompt_tokens else "decode_only"]
+        mix.forwards += 1
+        mix.seconds += seconds
+        mix.prompt_tokens += prompt_tokens
         self.forwards += 1
         self._turn_s_total += seconds
         self._recent_forwards.append(seconds)
@@ -141,6 +166,7 @@ class SchedulerStats:
             "coalesced_decode_steps": self.coalesced_steps,
             "overlapped_forwards": self.overlapped,
             "batch_occupancy": {str(b): n for b, n in zip(_BUCKETS, self.occupancy, strict=True)},
+            "forward_mix": {kind: mix.snapshot() for kind, mix in self.mix.items()},
         }
 
 
@@ -255,9 +281,9 @@ class Outcomes:
             self.complete([(job, count)], results)
 
     def record(self, steps: list[Step], seconds: float) -> None:
-        self.stats.record_forward(steps, seconds)
         decode_rows = sum(1 for s in steps if len(s.tokens) == 1 or s.all_rows)
         prefill = sum(len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows)
+        self.stats.record_forward(steps, seconds, prefill)
         self.clock.record(decode_rows, prefill, seconds * 1000)
 
     def complete(self, owners: list[tuple[Job, int]], results: list[StepResult]) -> None:
