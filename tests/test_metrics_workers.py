@@ -143,6 +143,28 @@ def test_worker_metrics_show_the_park_as_stats_does(metered_worker: tuple[str, i
     assert value(scrape(port), "skiff_parked_sessions") == 0  # dropped, parked or not
 
 
+def test_worker_metrics_show_host_memory_as_stats_does(metered_worker: tuple[str, int]) -> None:
+    """Two lanes, three 100-token prompts: the third takes the first's cached
+    lane and its cells go to host memory; the first again loads them back.
+    ``/metrics`` counts the same keeps, hits and bytes as ``stats.prefix_cache``."""
+    endpoint, port = metered_worker
+    prompts = [list(range(3000 + 200 * k, 3100 + 200 * k)) for k in range(3)]
+    with Client(endpoint, timeout_ms=60_000) as c:
+        before, cache0 = scrape(port), c.stats()["prefix_cache"]
+        for tokens in [*prompts, prompts[0]]:
+            c.call("generate", args={"tokens": tokens, "max_tokens": 1, "stream": False})
+        after, cache1 = scrape(port), c.stats()["prefix_cache"]
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert cache1["ram_kept"] - cache0["ram_kept"] >= 1  # the first prompt's cells, at least
+    assert cache1["ram_hits"] - cache0["ram_hits"] == 1  # ... loaded back for its return
+    assert delta("skiff_prefix_cache_ram_kept_total") == cache1["ram_kept"] - cache0["ram_kept"]
+    assert delta("skiff_prefix_cache_ram_hits_total") == 1
+    assert value(after, "skiff_prompt_ram_bytes") == cache1["ram_bytes"] > 0
+
+
 def test_worker_metrics_port_off_by_default() -> None:
     from worker import config
 
