@@ -17,8 +17,9 @@ one of a fixed set of 128-token prompts, 2 compute threads everywhere:
 
 Aggregate tok/s = all completion tokens / wall time of the whole batch of
 requests (prefills included). Also: skiff TTFT p50 at c=1 and c=8, and the
-``ping`` round trip of a separate DEALER pinging every 20 ms during the c=8
-skiff run, beside skiff's mean scheduler turn (``mean_forward_ms`` over that
+``ping`` round trip of a separate DEALER pinging every 20 ms during a second
+c=8 skiff run (of its own: the throughput set against the raw engine carries
+no probe), beside skiff's mean scheduler turn (``mean_forward_ms`` over that
 run). Figures to reach are printed at the end.
 
     .venv/bin/python scripts/bench_serving.py [--quick] [--k 4] [--json out.json]
