@@ -17,10 +17,12 @@ import pytest
 from conftest import start_worker, stop_worker
 from protocol import Client
 from worker.runtime import LanePool, RuntimeState
+from worker.runtime.lanes import Session
 from worker.runtime.prefix import (
     MIN_RAM_TOKENS,
     PrefixStats,
     PromptRam,
+    admit_from_ram,
     keep_evicted,
     window_holds,
 )
@@ -243,3 +245,26 @@ def test_only_lanes_worth_a_load_go_to_host_memory() -> None:
     assert asked == [] and rt.prefix.ram_kept == 0
     keep_evicted(rt, 3, list(range(MIN_RAM_TOKENS)))  # type: ignore[arg-type]
     assert asked == [(3, True)] and rt.prefix.ram_kept == 1 and len(rt.prompt_ram.entries) == 1
+
+
+def test_cells_llama_cpp_refuses_are_prefilled_cold() -> None:
+    """``llama_state_seq_set_data`` answers 0 instead of raising: a refused
+    load clears the lane and the prompt is prefilled from its start (a miss,
+    not a hit), and the entry is gone from host memory either way."""
+    cleared: list[int] = []
+    session = Session("s", lane=2)
+    rt = SimpleNamespace(
+        engine=SimpleNamespace(state_set=lambda lane, kv: False, seq_clear=cleared.append),
+        prompt_ram=PromptRam(1000),
+        prefix=PrefixStats(),
+        admit=lambda ids, ephemeral=False: [session],
+        check_position=lambda s: None,
+    )
+    prompt = list(range(100))
+    rt.prompt_ram.keep(prompt[:80], np.zeros(10, np.uint8))
+    kept = rt.prompt_ram.best(prompt, len(prompt) - 1)
+    assert kept == (0, 80)
+    got, reused_tokens = admit_from_ram(rt, "s", prompt, False, kept)  # type: ignore[arg-type]
+    assert got is session and reused_tokens == 0 and session.position == 0
+    assert cleared == [2] and rt.prefix.misses == 1
+    assert rt.prefix.hits == rt.prefix.ram_hits == 0 and not rt.prompt_ram.entries

@@ -10,8 +10,10 @@ the sliding window can refuse a reuse (``window_holds``).
 Idle lanes are few (a lane per running stream is not idle), so a prompt
 that comes back after other prompts took its lane used to be prefilled
 again. ``PromptRam`` keeps the cells of an evicted cached lane in host
-memory instead (``llama_state_seq_get_data``, ~18 KiB a token for Gemma 3
-270M), bounded by ``--prompt-ram-bytes``, least recently kept dropped first,
+memory instead (``llama_state_seq_get_data_ext`` with skiff's
+``LLAMA_STATE_SEQ_FLAGS_ALL_CELLS``: every cell, those the sliding window
+masks too, so the cells can be trimmed to any shorter prefix; ~18 KiB a
+token for Gemma 3 270M), bounded by ``--prompt-ram-bytes``, least recently kept dropped first,
 as llama-server's ``--cache-ram`` does for its slots. A prompt whose longest
 shared prefix is there (and longer than any lane's) gets the cells loaded
 into its new lane, then trimmed to the shared part: the cells come back byte
@@ -170,6 +172,8 @@ def admit_from_ram(
         raise
     lane, engine = session.lane, rt.engine
     loaded = engine.state_set(lane, kv) and engine.pos_max(lane) + 1 == len(held)
+    if not loaded:  # llama.cpp refused the cells (it returns 0, it does not raise)
+        _log.warning("prompt_ram_load_failed", lane=lane, tokens=len(held))
     ok = loaded and window_holds(engine, lane, common) and engine.seq_rm(lane, common, -1)
     rt.prefix.ram_hits += ok
     return reused(rt, session, prompt, common, ok)
