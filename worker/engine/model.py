@@ -23,15 +23,12 @@ from typing import Any, Literal
 import llama_cpp as ll
 import numpy as np
 
-from . import kernels
+from . import kernels, seqstate
 from .load import EngineConfig, EngineError, open_context
-from .seqstate import FORMAT as STATE_FORMAT
-from .seqstate import FileDigest, restream
+from .seqstate import FileDigest
 from .tap import TapError, in_batch_order, ubatch_rows
 
 OutputMode = Literal["none", "last", "all"]
-# LLAMA_STATE_SEQ_FLAGS_ALL_CELLS, defined by skiff's patch (scripts/llama_patch.py)
-_STATE_ALL_CELLS = 4
 
 
 @dataclass(frozen=True)
@@ -166,6 +163,7 @@ class Engine:
         self._batch = Batch(self.n_batch, self.n_seq)
         self._embd_batch: Batch | None = None  # made on the first embeddings input
         self._last = self._batch  # the batch of the last decode (for output_index)
+        self._dropped: list[int] = []  # per segment: leading tokens decoded apart
         self._hidden = False
         # seconds spent filling batches and inside llama_decode (stats' profile)
         self.timing = {"fill": 0.0, "decode": 0.0}
@@ -173,6 +171,8 @@ class Engine:
         self.digest = FileDigest(cfg.model_path)
         # the CPU variant and ggml features this process computes with (fixed at load)
         self.cpu = kernels.backend_cpu()
+        # prompt pieces' last tokens may join decode rows' micro-batch (_decode)
+        self._splits = self.n_stream > 1 and self.tap is None and bool(self.cpu["batch_invariant"])
         self._abort_fn: Any = None
         self._piece_cache: dict[int, bytes] = {}
 
@@ -231,11 +231,10 @@ class Engine:
     # -- forward -------------------------------------------------------------
 
     def decode(self, segments: Sequence[Segment], causal: bool = True) -> DecodeStatus:
-        """Run ONE ``llama_decode`` over all segments.
-
-        After success, ``logits_row(output_index(seg_index, k))`` reads the
-        rows the segments asked for. On failure the caller must reconcile positions from
-        ``pos_max`` (llama.cpp keeps ubatches that completed).
+        """Run one forward over all segments (one ``llama_decode``, or two:
+        ``_decode``). After success, ``logits_row(output_index(seg_index, k))``
+        reads the rows the segments asked for. On failure the caller must
+        reconcile positions from ``pos_max`` (llama.cpp keeps ubatches that completed).
 
         ``causal=False`` decodes with bidirectional attention inside each
         sequence (Gemma 3's image tokens see each other). llama.cpp switches
@@ -251,12 +250,43 @@ class Engine:
                 )
             ll.llama_set_causal_attn(self.ctx_handle, False)
             try:
-                return self._decode(segments)
+                return self._decode_once(segments)
             finally:
                 ll.llama_set_causal_attn(self.ctx_handle, True)
         return self._decode(segments)
 
     def _decode(self, segments: Sequence[Segment]) -> DecodeStatus:
+        """One ``llama_decode``; or, beside one-token rows, every prompt piece
+        but its last token first (no outputs), then those last tokens with
+        the one-token rows.
+
+        Why: with a KV stream per lane llama.cpp splits a batch into
+        micro-batches taking equally many tokens of every sequence, and runs
+        the output head once per micro-batch. A piece ending its prompt beside
+        decode rows ends in a micro-batch of its own, so its one logits row
+        costs a pass over the head (Gemma 3: 262,144 x 640, ~10 ms on 2 cores)
+        that the decode rows' pass takes for ~1 ms more. Split, the forward
+        has as many micro-batches and one head pass. Only with batch-invariant
+        kernels (a row is computed the same in any micro-batch: the logits are
+        bit-identical), and only beside one-token rows (else a micro-batch more)."""
+        self._dropped = []
+        cut = [s.outputs == "last" and s.embd is None and len(s) > 1 for s in segments]
+        if not (self._splits and not self._hidden and any(cut)) or all(
+            len(s) > 1 for s in segments
+        ):
+            return self._decode_once(segments)
+        pairs = list(zip(segments, cut, strict=True))
+        status = self._decode_once(
+            [Segment(s.seq, s.tokens[:-1], s.pos0, "none") for s, c in pairs if c]
+        )
+        if not status.ok:
+            return status
+        self._dropped = [len(s) - 1 if c else 0 for s, c in pairs]
+        return self._decode_once(
+            [Segment(s.seq, s.tokens[-1:], s.pos0 + len(s) - 1) if c else s for s, c in pairs]
+        )
+
+    def _decode_once(self, segments: Sequence[Segment]) -> DecodeStatus:
         embd = any(s.embd is not None for s in segments)
         if embd and self._embd_batch is None:
             self._embd_batch = Batch(self.n_batch, self.n_seq, self.n_embd)
@@ -317,6 +347,10 @@ class Engine:
 
     def output_index(self, segment_index: int, offset: int = -1) -> int:
         """Batch row of a token of the last decoded batch (offset -1 = last)."""
+        if offset >= 0 and self._dropped:
+            offset -= self._dropped[segment_index]  # decoded before its tail
+            if offset < 0:
+                raise IndexError(f"segment {segment_index} has no output row there")
         return self._last.row(segment_index, offset)
 
     def set_abort(self, fn: Callable[[], bool] | None) -> None:
@@ -349,34 +383,13 @@ class Engine:
         ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
     def state_get(self, seq: int, all_cells: bool = False) -> np.ndarray:
-        """One sequence's KV state, written by llama.cpp straight into a new
-        uint8 array (the array is what travels; no further copy). Upstream
-        leaves out the cells a sliding window masks (enough to go on from
-        the end); ``all_cells`` keeps them (skiff's patch), so the state can
-        be loaded and trimmed back to any shorter prefix."""
-        flags = _STATE_ALL_CELLS if all_cells else 0
-        size = int(ll.llama_state_seq_get_size_ext(self.ctx_handle, seq, flags))
-        out = np.empty(size, dtype=np.uint8)
-        ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = int(ll.llama_state_seq_get_data_ext(self.ctx_handle, ptr, size, seq, flags))
-        if n <= 0:
-            raise EngineError(f"llama.cpp could not save lane {seq}")
-        return out[:n]
+        """One sequence's KV state as a new uint8 array (``seqstate.save``)."""
+        return seqstate.save(self.ctx_handle, seq, all_cells)
 
     def state_set(self, seq: int, data: np.ndarray) -> bool:
-        """Load a sequence's KV state from ``data``; False when llama.cpp
-        refuses it (it returns 0 instead of raising).
-
-        Read in place when it was saved by a context with as many KV streams
-        as this one; otherwise re-laid once (``seqstate.restream``). A state
-        that does not parse raises ``EngineError`` before llama.cpp sees it.
-        """
-        try:
-            arr = restream(np.ascontiguousarray(data, dtype=np.uint8).reshape(-1), self.n_stream)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from None
-        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        return int(ll.llama_state_seq_set_data(self.ctx_handle, ptr, arr.nbytes, seq)) > 0
+        """Load a sequence's KV state; False when llama.cpp refuses it
+        (``seqstate.load``: re-laid for this context's KV streams first)."""
+        return seqstate.load(self.ctx_handle, seq, data, self.n_stream)
 
     def identity(self) -> dict[str, Any]:
         """What a saved KV state is only valid with: the model file's sha256
@@ -390,7 +403,7 @@ class Engine:
             "n_vocab": self.n_vocab,
             "kv_type_k": "f16",
             "kv_type_v": "f16",
-            "state_format": STATE_FORMAT,
+            "state_format": seqstate.FORMAT,
             "batch_invariant": self.cpu["batch_invariant"],
             "cpu_kernels": f"{self.cpu['level']}: {' '.join(self.cpu['features'])}",
         }

@@ -1,4 +1,5 @@
-"""Moving one sequence's saved KV state between contexts of different lane counts.
+"""One sequence's saved KV state: saving, loading, and moving it between
+contexts of different lane counts.
 
 ``llama_state_seq_get_data`` writes an 8-byte header (a magic and a
 version), then for each KV cache of the model (Gemma 3 has two: global and
@@ -23,11 +24,16 @@ identity names the format so a state from another layout is refused first.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 import threading
+from typing import Any
 
+import llama_cpp as ll
 import numpy as np
+
+from .load import EngineError
 
 FORMAT = "llama.cpp-seq-state-v1"
 _U32 = struct.Struct("<I")
@@ -35,6 +41,39 @@ _MAGIC = 0xAF143CD8  # the header llama_state_seq_get_data starts with (magic, v
 _HEADER = 8
 _I32U64 = struct.Struct("<iQ")
 _I32U32U32 = struct.Struct("<iII")
+# LLAMA_STATE_SEQ_FLAGS_ALL_CELLS, defined by skiff's patch (scripts/llama_patch.py)
+_STATE_ALL_CELLS = 4
+
+
+def save(ctx: Any, seq: int, all_cells: bool = False) -> np.ndarray:
+    """One sequence's KV state, written by llama.cpp straight into a new
+    uint8 array (the array is what travels; no further copy). Upstream
+    leaves out the cells a sliding window masks (enough to go on from the
+    end); ``all_cells`` keeps them (skiff's patch), so the state can be
+    loaded and trimmed back to any shorter prefix."""
+    flags = _STATE_ALL_CELLS if all_cells else 0
+    size = int(ll.llama_state_seq_get_size_ext(ctx, seq, flags))
+    out = np.empty(size, dtype=np.uint8)
+    ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    n = int(ll.llama_state_seq_get_data_ext(ctx, ptr, size, seq, flags))
+    if n <= 0:
+        raise EngineError(f"llama.cpp could not save lane {seq}")
+    return out[:n]
+
+
+def load(ctx: Any, seq: int, data: np.ndarray, n_stream: int) -> bool:
+    """Load a sequence's KV state from ``data``; False when llama.cpp
+    refuses it (it returns 0 instead of raising).
+
+    Read in place when it was saved by a context with ``n_stream`` KV
+    streams; otherwise re-laid once (``restream``). A state that does not
+    parse raises ``EngineError`` before llama.cpp sees it."""
+    try:
+        arr = restream(np.ascontiguousarray(data, dtype=np.uint8).reshape(-1), n_stream)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
+    ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    return int(ll.llama_state_seq_set_data(ctx, ptr, arr.nbytes, seq)) > 0
 
 
 class _Reader:

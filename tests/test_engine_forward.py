@@ -1,0 +1,99 @@
+"""One forward of decode rows and a prompt piece, in the engine alone.
+
+A piece ending its prompt beside one-token decode rows is decoded as two
+``llama_decode`` calls (``Engine._decode``): its leading tokens first, then
+its last token in the decode rows' micro-batch, so the output head runs once.
+That is only a speed-up if every row still scores as if alone; this checks
+it by logits (max abs diff 0.0) against each row decoded on its own, and
+checks the calls actually made, so the test fails if the split silently
+stops happening.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+
+from worker.engine import DecodeStatus, Engine, EngineConfig, Segment
+
+LANES = 4
+STREAM_PROMPT = 20
+PIECE = 40
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> Iterator[Engine]:
+    eng = Engine(EngineConfig(model_path, n_ctx=2048, n_seq=LANES, n_threads=2))
+    assert not eng.kv_unified  # a KV stream per lane: llama.cpp's equal split
+    yield eng
+    eng.close()
+
+
+@pytest.fixture()
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token count of every ``llama_decode`` the engine makes (each
+    ``_decode_once`` is one)."""
+    made: list[int] = []
+    real = Engine._decode_once
+
+    def counting(self: Engine, segments: Sequence[Segment]) -> DecodeStatus:
+        made.append(sum(len(s) for s in segments))
+        return real(self, segments)
+
+    monkeypatch.setattr(Engine, "_decode_once", counting)
+    return made
+
+
+def _tokens(engine: Engine, tag: str, n: int) -> list[int]:
+    toks = engine.tokenize(f"{tag}: " + " ".join(f"item {i} of the list" for i in range(60)))
+    assert len(toks) >= n
+    return toks[:n]
+
+
+def _alone(engine: Engine, seg: Segment) -> np.ndarray:
+    """``seg``'s last logits row decoded by itself, then undone."""
+    assert engine.decode([seg]).ok
+    row = engine.logits_row(engine.output_index(0)).copy()
+    engine.seq_rm(seg.seq, seg.pos0, -1)
+    return row
+
+
+def test_a_piece_ending_its_prompt_joins_the_decode_rows_and_scores_as_alone(
+    engine: Engine, calls: list[int]
+) -> None:
+    for lane in range(LANES):
+        engine.seq_clear(lane)
+    streams = [_tokens(engine, f"stream {lane}", STREAM_PROMPT + 1) for lane in range(3)]
+    for lane, toks in enumerate(streams):
+        assert engine.decode([Segment(lane, toks[:STREAM_PROMPT], 0, "none")]).ok
+    steps = [
+        Segment(lane, toks[STREAM_PROMPT:], STREAM_PROMPT) for lane, toks in enumerate(streams)
+    ]
+    piece = Segment(3, _tokens(engine, "the piece", PIECE), 0, "last")
+    expected = [_alone(engine, seg) for seg in [*steps, piece]]
+
+    calls.clear()
+    assert engine.decode([*steps, piece]).ok
+    # the piece's first 39 tokens, then its last with the three decode rows
+    assert calls == [PIECE - 1, len(steps) + 1]
+    got = [engine.logits_row(engine.output_index(i)).copy() for i in range(len(steps) + 1)]
+    for want, row in zip(expected, got, strict=True):
+        assert float(np.abs(want - row).max()) == 0.0
+    assert engine.output_index(3, PIECE - 1) == engine.output_index(3)
+    with pytest.raises(IndexError):
+        engine.output_index(3, 0)  # decoded without an output row
+    assert [engine.pos_max(lane) for lane in range(LANES)] == [STREAM_PROMPT] * 3 + [PIECE - 1]
+
+
+def test_a_forward_without_one_token_rows_stays_one_call(engine: Engine, calls: list[int]) -> None:
+    """Two prompt pieces and no decode rows: splitting would add a
+    micro-batch (the tails' own), so the forward is one ``llama_decode``."""
+    for lane in range(LANES):
+        engine.seq_clear(lane)
+    pieces = [Segment(lane, _tokens(engine, f"p{lane}", 24 + lane), 0) for lane in range(2)]
+    calls.clear()
+    assert engine.decode(pieces).ok
+    assert calls == [24 + 25]
+    assert engine.output_index(1, 24) == engine.output_index(1)
