@@ -17,9 +17,9 @@ left is placing *new* work, three ways (``--policy``):
   free lane fewer; docs/gateway.md says why) of the least loaded one,
   scaled down for matches shorter than ``--cache-full-blocks`` (default
   32: 512 tokens; ``Router.slack``).
-  A prompt of at least ``--cache-min-blocks`` blocks also has a *home*:
-  the first worker in the rendezvous ranking of its first blocks that holds
-  fewer than its share of the prompts' homes, kept once given
+  A prompt of at least one block also has a *home*: the first worker in
+  the rendezvous ranking of its first blocks (up to ``--cache-min-blocks``)
+  that holds fewer than its share of the prompts' homes, kept once given
   (``Router.home``: consistent hashing with bounded loads). The home counts
   as a full hit (``--cache-full-blocks`` matched) even before it has seen
   the prompt, so a fresh prompt goes to its home, not to whichever equally
@@ -78,7 +78,8 @@ def prompt_blocks(args: Mapping[str, Any]) -> tuple[int, ...]:
     ``messages``. Block ``i``'s hash covers blocks ``0..i``, so two prompts
     share ``k`` leading hashes exactly when they share their first ``k`` blocks
     (up to hash collisions, which only cost a cache miss). A trailing partial
-    block is not hashed: the worker's prefix cache reuses whole pieces too.
+    block is not hashed: a prompt shorter than one block has no blocks (and
+    no home), its reuse on a worker too short to be worth a routing choice.
     The hashes are BLAKE2b, not ``hash()``: the same prompt has the same
     blocks, and so the same home, in every process (``Router.home``)."""
     tokens = args.get("tokens")
@@ -257,9 +258,16 @@ class Router:
 
     def home(self, names: Sequence[str], blocks: Sequence[int]) -> str | None:
         """The prompt's home among ``names``; None for a prompt shorter than
-        ``cache_min_blocks`` blocks. Its key is its first ``cache_min_blocks``
-        blocks: prompts sharing that start (a system prompt, one
+        one block. Its key is its first ``cache_min_blocks`` blocks (all of
+        them, if fewer): prompts sharing that start (a system prompt, one
         conversation's turns) share a home.
+
+        Why short prompts too: the worker reuses any cached prefix of 8
+        tokens or more, so a 50-token prompt sent again is a hit where it was
+        served before. Routed by load alone, such prompts landed on both
+        workers, and each worker's lanes then cached more prompts than they
+        could hold, evicting each other's (bench_gateway: ~0.4-1k prompt
+        tokens a run recomputed against direct round robin; docs/gateway.md).
 
         A key seen before keeps the home it was given (``HomeTable``). A new
         one goes to the first of the rendezvous (highest random weight)
@@ -271,7 +279,7 @@ class Router:
         from each other while the other worker's lanes stay empty. A worker
         that leaves moves only its own keys; with no key recorded the home
         is the rendezvous first, the same in every process."""
-        if len(blocks) < self.cache_min_blocks or not names:
+        if not blocks or not names:
             return None
         key = self._home_key(blocks)
         kept = self.homes.get(key)
@@ -282,7 +290,8 @@ class Router:
         return next((n for n in ranked if self.homes.held(n) < share), ranked[0])
 
     def _home_key(self, blocks: Sequence[int]) -> bytes:
-        return (blocks[self.cache_min_blocks - 1] & _U64).to_bytes(8, "little")
+        last = min(len(blocks), self.cache_min_blocks) - 1  # chained: covers blocks 0..last
+        return (blocks[last] & _U64).to_bytes(8, "little")
 
     def slack(self, matched: int) -> float:
         """The load a prefix of ``matched`` blocks may cost over the least

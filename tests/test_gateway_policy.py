@@ -145,13 +145,20 @@ def test_cache_aware_prefers_the_prefix_holder_until_it_is_too_busy() -> None:
     all_full = [Candidate(other, running=4), Candidate(home, running=4)]
     assert router.index.match(other, first) == router.index.match(home, first) == 4
     assert router.choose(all_full, first) == home  # the same match and load: the home
-    # by default a match shorter than 8 blocks (128 tokens: one prefill piece) does
-    # not count, and a prompt that short has no home: least loaded
+    # by default a match shorter than 8 blocks does not count away from the
+    # prompt's home: with the home too busy, the holder of 4 blocks and an
+    # equally idle worker take turns (least loaded), the holder no more often
     strict = Router("cache_aware")
-    busy_a = [Candidate("a", running=1, free_lanes=3), Candidate("b", free_lanes=4)]
-    strict.index.insert("a", first)
-    assert strict.home(["a", "b"], first) is None
-    assert strict.choose(busy_a, first) == "b"
+    s_home = strict.home(["a", "b", "c"], first)
+    s_holder, s_third = sorted({"a", "b", "c"} - {s_home})
+    strict.index.insert(s_holder, first)
+    away = [
+        Candidate(s_home, running=3, free_lanes=1),
+        Candidate(s_holder, free_lanes=4),
+        Candidate(s_third, free_lanes=4),
+    ]
+    picks = [strict.choose(away, first, remember=False) for _ in range(4)]
+    assert picks.count(s_holder) == picks.count(s_third) == 2
     # a long real match beats the home's (a full hit: 32 blocks)
     long_prompt = prompt_blocks({"tokens": list(range(1000, 1600))})  # 37 blocks
     holder = "b" if strict.home(["a", "b"], long_prompt) == "a" else "a"

@@ -1,8 +1,8 @@
 """A prompt's home in the gateway's ``cache_aware`` policy (pure policy, no
 sockets).
 
-A prompt of at least ``cache_min_blocks`` blocks has a home worker, chosen by
-rendezvous hashing of its first blocks among the workers holding less than
+A prompt of at least one block has a home worker, chosen by rendezvous
+hashing of its first blocks (up to ``cache_min_blocks``) among the workers holding less than
 their share of the homes (bounded loads), which counts as a full prefix hit:
 at equal load the prompt goes home (so the workers' prefix caches hold their
 own share of the prompts instead of evicting each other's), and load still
@@ -122,14 +122,26 @@ def test_a_home_with_no_free_lane_loses_while_another_has_one() -> None:
     assert router.choose(both_full, blocks, remember=False) == home
 
 
-def test_prompts_shorter_than_cache_min_blocks_rotate_by_least_loaded() -> None:
-    router = Router()  # 8 blocks = 128 tokens
-    short = prompt_blocks({"tokens": list(range(8 * TOKEN_BLOCK - 1))})
-    assert len(short) == 7 and router.home(["a", "b"], short) is None
+def test_a_prompt_shorter_than_cache_min_blocks_is_kept_by_its_home() -> None:
+    """A 50-token prompt sent again reuses its lane on the worker that
+    served it (the worker reuses 8 tokens and more), so it has a home too:
+    keyed by all its blocks, it goes there at equal load, while a prompt
+    under one block rotates by least loaded."""
+    router = Router()  # homes keyed by the first 8 blocks = 128 tokens
+    short = prompt_blocks({"tokens": list(range(50))})
+    assert len(short) == 3
+    home, other = _home_and_other(router, short)
     picks = [router.choose(_idle("b", "a"), short) for _ in range(4)]
-    assert picks == ["a", "b", "a", "b"]  # remembered on both, but 7 blocks are no hit
-    assert router.cache_routed == 0
-    assert router.choose([Candidate("a", running=1), Candidate("b")], short) == "b"
+    assert picks == [home] * 4
+    # its home within the threshold still takes it (a full hit, as a long prompt's)
+    busier = [Candidate(home, running=1, free_lanes=3), Candidate(other, free_lanes=4)]
+    assert router.choose(busier, short) == home
+    # another prompt sharing only its first block has a home of its own key
+    longer = prompt_blocks({"tokens": [*range(16), *range(900, 950)]})
+    assert router._home_key(longer) != router._home_key(short)
+    tiny = prompt_blocks({"tokens": list(range(TOKEN_BLOCK - 1))})
+    assert tiny == () and router.home(["a", "b"], tiny) is None
+    assert [router.choose(_idle("b", "a"), tiny) for _ in range(4)] == ["a", "b", "a", "b"]
 
 
 def test_different_prompts_spread_over_the_workers() -> None:
