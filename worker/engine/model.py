@@ -256,19 +256,12 @@ class Engine:
         return self._decode(segments)
 
     def _decode(self, segments: Sequence[Segment]) -> DecodeStatus:
-        """One ``llama_decode``; or, beside one-token rows, every prompt piece
-        but its last token first (no outputs), then those last tokens with
-        the one-token rows.
-
-        Why: with a KV stream per lane llama.cpp splits a batch into
-        micro-batches taking equally many tokens of every sequence, and runs
-        the output head once per micro-batch. A piece ending its prompt beside
-        decode rows ends in a micro-batch of its own, so its one logits row
-        costs a pass over the head (Gemma 3: 262,144 x 640, ~10 ms on 2 cores)
-        that the decode rows' pass takes for ~1 ms more. Split, the forward
-        has as many micro-batches and one head pass. Only with batch-invariant
-        kernels (a row is computed the same in any micro-batch: the logits are
-        bit-identical), and only beside one-token rows (else a micro-batch more)."""
+        """One ``llama_decode``; or, beside one-token rows, the prompt pieces
+        but their last tokens first (no outputs), then those last tokens with
+        the one-token rows: llama.cpp runs the head once per micro-batch, and
+        a piece's own logits row would cost a pass over Gemma 3's 262k-row
+        head (docs/architecture.md, "Engine choices"). Only with
+        batch-invariant kernels (the logits are bit-identical either way)."""
         self._dropped = []
         cut = [s.outputs == "last" and s.embd is None and len(s) > 1 for s in segments]
         if not (self._splits and not self._hidden and any(cut)) or all(
