@@ -14,7 +14,11 @@ model, random token ids; medians of ``--reps``):
    without the logits row a piece that ends its prompt computes;
 3. a least-squares fit of 2: ms per extra micro-batch (each prompt is its
    own, llama.cpp's equal split over sequences), per prompt token and per
-   logits row, and the tokens a turn may carry at a cadence of 3.
+   logits row, and the tokens a turn may carry at a cadence of 3;
+4. the turn carrying a piece that ends its prompt, as the engine runs it
+   (the piece's last token decoded with the decode rows, one pass over the
+   output head: ``EngineConfig.share_head``) against one ``llama_decode``
+   of the whole batch (the baseline, ``share_head`` off).
 
     .venv/bin/python scripts/bench_turn_anatomy.py [--streams 3] [--reps 5]
 """
@@ -127,6 +131,15 @@ def main() -> int:
             f"fit: {piece:.1f} ms per extra micro-batch + {per_token:.2f} ms per prompt token "
             f"+ {row_ms:.1f} ms per logits row"
         )
+        for n in (32, 128):
+            engine.share_head = False
+            whole = median(functools.partial(turn, n, True))
+            engine.share_head = True
+            shared = median(functools.partial(turn, n, True))
+            print(
+                f"piece of {n:3d} tokens ending its prompt: one llama_decode {whole:6.1f} ms | "
+                f"last token with the decode rows {shared:6.1f} ms | ratio {shared / whole:.3f}"
+            )
         for cadence in (2.5, 3.0):
             room = (cadence - 1) * base - piece
             print(

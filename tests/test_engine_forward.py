@@ -86,6 +86,19 @@ def test_a_piece_ending_its_prompt_joins_the_decode_rows_and_scores_as_alone(
         engine.output_index(3, 0)  # decoded without an output row
     assert [engine.pos_max(lane) for lane in range(LANES)] == [STREAM_PROMPT] * 3 + [PIECE - 1]
 
+    # switched off, the same forward is one call, with the same logits
+    for seg in [*steps, piece]:
+        engine.seq_rm(seg.seq, seg.pos0, -1)
+    engine.share_head = False
+    try:
+        calls.clear()
+        assert engine.decode([*steps, piece]).ok
+    finally:
+        engine.share_head = True
+    assert calls == [len(steps) + PIECE]
+    for i, want in enumerate(expected):
+        assert float(np.abs(engine.logits_row(engine.output_index(i)) - want).max()) == 0.0
+
 
 def test_a_forward_without_one_token_rows_stays_one_call(engine: Engine, calls: list[int]) -> None:
     """Two prompt pieces and no decode rows: splitting would add a

@@ -54,6 +54,8 @@ class EngineConfig:
     kernel_rule: kernels.KernelRule | None = None  # None: the loaded CPU level's measured rule
     swa_full: bool = True  # keep every sliding-window cell (exact trim to any position)
     kv_unified: bool | None = None  # None: unified only when lanes may exceed an equal share
+    # a prompt piece's last token joins the decode rows' micro-batch (Engine._decode)
+    share_head: bool = True
     tap_layers: tuple[int, ...] = ()  # capture these layers' outputs (pipeline stages)
     tap_stop: bool = False  # and stop the graph after the last of them
     # after loading, keep only the model pages read since (pages.py): a stage

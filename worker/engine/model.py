@@ -171,8 +171,10 @@ class Engine:
         self.digest = FileDigest(cfg.model_path)
         # the CPU variant and ggml features this process computes with (fixed at load)
         self.cpu = kernels.backend_cpu()
-        # prompt pieces' last tokens may join decode rows' micro-batch (_decode)
+        # prompt pieces' last tokens may join decode rows' micro-batch (_decode);
+        # share_head may be switched at any time (scripts/bench_turn_anatomy.py)
         self._splits = self.n_stream > 1 and self.tap is None and bool(self.cpu["batch_invariant"])
+        self.share_head = cfg.share_head
         self._abort_fn: Any = None
         self._piece_cache: dict[int, bytes] = {}
 
@@ -264,7 +266,7 @@ class Engine:
         batch-invariant kernels (the logits are bit-identical either way)."""
         self._dropped = []
         cut = [s.outputs == "last" and s.embd is None and len(s) > 1 for s in segments]
-        if not (self._splits and not self._hidden and any(cut)) or all(
+        if not (self.share_head and self._splits and not self._hidden and any(cut)) or all(
             len(s) > 1 for s in segments
         ):
             return self._decode_once(segments)
