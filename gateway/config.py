@@ -106,8 +106,8 @@ _OPTIONS: list[tuple[str, type, str, str]] = [
         "cache-min-blocks",
         int,
         "SKIFF_GATEWAY_CACHE_MIN_BLOCKS",
-        "cache_aware: prefix blocks (16 tokens / 64 chars) a worker must share to win; "
-        "a prompt this long has a home",
+        "cache_aware: prefix blocks (16 tokens / 64 chars) a worker must share to win "
+        "away from a prompt's home; a prompt's first this many blocks key its home",
     ),
     (
         "cache-full-blocks",

@@ -11,8 +11,8 @@ left is placing *new* work, three ways (``--policy``):
   hashes of 16-token / 64-character blocks, LRU-bounded, in the spirit of
   SGLang's cache-aware router) and sends a prompt to the worker sharing the
   longest prefix of at least ``--cache-min-blocks`` blocks (default 8: 128
-  tokens, the worker's default prefill piece, the smallest prefix its exact
-  prefix cache reuses), but only while that worker's load score is within
+  tokens; a shorter match counts only at the prompt's home, below), but
+  only while that worker's load score is within
   ``--balance-threshold`` (default 2: one more running request and one
   free lane fewer; docs/gateway.md says why) of the least loaded one,
   scaled down for matches shorter than ``--cache-full-blocks`` (default

@@ -6,7 +6,7 @@ its last token in the decode rows' micro-batch, so the output head runs once.
 That is only a speed-up if every row still scores as if alone; this checks
 it by logits (max abs diff 0.0) against each row decoded on its own, and
 checks the calls actually made, so the test fails if the split silently
-stops happening.
+stops happening. Both below and past Gemma 3's 512-token sliding window.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import pytest
 from worker.engine import DecodeStatus, Engine, EngineConfig, Segment
 
 LANES = 4
-STREAM_PROMPT = 20
 PIECE = 40
+# (tokens each decoding stream holds, where the piece starts in its lane)
+SPANS = [(20, 0), (600, 520)]
 
 
 @pytest.fixture(scope="module")
 def engine(model_path: str) -> Iterator[Engine]:
-    eng = Engine(EngineConfig(model_path, n_ctx=2048, n_seq=LANES, n_threads=2))
+    eng = Engine(EngineConfig(model_path, n_ctx=4096, n_seq=LANES, n_threads=2))
     assert not eng.kv_unified  # a KV stream per lane: llama.cpp's equal split
     yield eng
     eng.close()
@@ -47,7 +48,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _tokens(engine: Engine, tag: str, n: int) -> list[int]:
-    toks = engine.tokenize(f"{tag}: " + " ".join(f"item {i} of the list" for i in range(60)))
+    toks = engine.tokenize(f"{tag}: " + " ".join(f"item {i} of the list" for i in range(300)))
     assert len(toks) >= n
     return toks[:n]
 
@@ -60,18 +61,24 @@ def _alone(engine: Engine, seg: Segment) -> np.ndarray:
     return row
 
 
+def _prefill(engine: Engine, lane: int, toks: list[int]) -> None:
+    for at in range(0, len(toks), engine.n_batch):
+        assert engine.decode([Segment(lane, toks[at : at + engine.n_batch], at, "none")]).ok
+
+
+@pytest.mark.parametrize(("held", "start"), SPANS, ids=["short", "past-window"])
 def test_a_piece_ending_its_prompt_joins_the_decode_rows_and_scores_as_alone(
-    engine: Engine, calls: list[int]
+    engine: Engine, calls: list[int], held: int, start: int
 ) -> None:
     for lane in range(LANES):
         engine.seq_clear(lane)
-    streams = [_tokens(engine, f"stream {lane}", STREAM_PROMPT + 1) for lane in range(3)]
+    streams = [_tokens(engine, f"stream {lane}", held + 1) for lane in range(3)]
     for lane, toks in enumerate(streams):
-        assert engine.decode([Segment(lane, toks[:STREAM_PROMPT], 0, "none")]).ok
-    steps = [
-        Segment(lane, toks[STREAM_PROMPT:], STREAM_PROMPT) for lane, toks in enumerate(streams)
-    ]
-    piece = Segment(3, _tokens(engine, "the piece", PIECE), 0, "last")
+        _prefill(engine, lane, toks[:held])
+    steps = [Segment(lane, toks[held:], held) for lane, toks in enumerate(streams)]
+    text = _tokens(engine, "the piece", start + PIECE)
+    _prefill(engine, 3, text[:start])
+    piece = Segment(3, text[start:], start, "last")
     expected = [_alone(engine, seg) for seg in [*steps, piece]]
 
     calls.clear()
@@ -84,7 +91,7 @@ def test_a_piece_ending_its_prompt_joins_the_decode_rows_and_scores_as_alone(
     assert engine.output_index(3, PIECE - 1) == engine.output_index(3)
     with pytest.raises(IndexError):
         engine.output_index(3, 0)  # decoded without an output row
-    assert [engine.pos_max(lane) for lane in range(LANES)] == [STREAM_PROMPT] * 3 + [PIECE - 1]
+    assert [engine.pos_max(lane) for lane in range(LANES)] == [held] * 3 + [start + PIECE - 1]
 
     # switched off, the same forward is one call, with the same logits
     for seg in [*steps, piece]:

@@ -266,9 +266,8 @@ class Engine:
         batch-invariant kernels (the logits are bit-identical either way)."""
         self._dropped = []
         cut = [s.outputs == "last" and s.embd is None and len(s) > 1 for s in segments]
-        if not (self.share_head and self._splits and not self._hidden and any(cut)) or all(
-            len(s) > 1 for s in segments
-        ):
+        joinable = any(len(s) == 1 for s in segments)  # else the tails add a micro-batch
+        if not (self.share_head and self._splits and not self._hidden and joinable and any(cut)):
             return self._decode_once(segments)
         pairs = list(zip(segments, cut, strict=True))
         status = self._decode_once(
