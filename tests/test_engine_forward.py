@@ -117,3 +117,42 @@ def test_a_forward_without_one_token_rows_stays_one_call(engine: Engine, calls: 
     assert engine.decode(pieces).ok
     assert calls == [24 + 25]
     assert engine.output_index(1, 24) == engine.output_index(1)
+
+
+def test_rows_go_into_the_batch_in_lane_order(engine: Engine, calls: list[int]) -> None:
+    """The scheduler hands decode rows first and a new prompt's piece after
+    them, whatever its lane. llama.cpp's equal split (a KV stream per lane)
+    ends a micro-batch at the first row whose lane is not the previous
+    lane + 1, so rows of lanes 0, 2, 3 then 1 would be two passes over the
+    weights; the engine lays the rows out in lane order (one pass), and
+    every row still scores as if alone."""
+    for lane in range(LANES):
+        engine.seq_clear(lane)
+    decoding = [0, 2, 3]
+    held = 20
+    streams = {lane: _tokens(engine, f"stream {lane}", held + 1) for lane in decoding}
+    for lane, toks in streams.items():
+        _prefill(engine, lane, toks[:held])
+    steps = [Segment(lane, toks[held:], held) for lane, toks in streams.items()]
+    piece = Segment(1, _tokens(engine, "the new prompt", PIECE), 0, "last")
+    expected = [_alone(engine, seg) for seg in [*steps, piece]]
+
+    calls.clear()
+    assert engine.decode([*steps, piece]).ok
+    assert calls == [PIECE - 1, len(steps) + 1]
+    # the second call: the four last rows in one micro-batch, lanes 0..3
+    assert engine.micro_batches() == [[0, 1, 2, 3]]
+    for i, want in enumerate(expected):
+        assert float(np.abs(engine.logits_row(engine.output_index(i)) - want).max()) == 0.0
+
+    # as one call: one micro-batch of a row from each lane, then the piece's rest
+    for seg in [*steps, piece]:
+        engine.seq_rm(seg.seq, seg.pos0, -1)
+    engine.share_head = False
+    try:
+        assert engine.decode([*steps, piece]).ok
+    finally:
+        engine.share_head = True
+    assert [len(rows) for rows in engine.micro_batches()] == [4, PIECE - 1]
+    for i, want in enumerate(expected):
+        assert float(np.abs(engine.logits_row(engine.output_index(i)) - want).max()) == 0.0

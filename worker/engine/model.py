@@ -73,11 +73,18 @@ class Batch:
         if total > self.capacity:
             raise ValueError(f"batch of {total} tokens exceeds n_batch {self.capacity}")
         row = 0
-        self._starts = []
-        self._lens = []
+        self._starts = [0] * len(segments)
+        self._lens = [len(s) for s in segments]
         seq_ptrs = self.raw.seq_id
-        for seg in segments:
-            n = len(seg)
+        # Rows go in lane order, whatever order the segments come in: with a
+        # KV stream per lane llama.cpp cuts a micro-batch at the first row
+        # whose lane is not the previous lane + 1 (its ``split_equal``), so
+        # lanes 3, 5, 6 then 4 would be two passes over the weights where
+        # 3, 4, 5, 6 is one. The order changes no row's numbers (each row is
+        # computed as if alone: ``engine.kernels``); ``row`` maps segments.
+        for i in sorted(range(len(segments)), key=lambda k: segments[k].seq):
+            seg = segments[i]
+            n = self._lens[i]
             end = row + n
             if self._embd is not None:
                 if seg.embd is None:
@@ -96,8 +103,7 @@ class Batch:
                 if self._seq_of_row[r] != seg.seq:
                     seq_ptrs[r][0] = seg.seq
                     self._seq_of_row[r] = seg.seq
-            self._starts.append(row)
-            self._lens.append(n)
+            self._starts[i] = row
             row = end
         self.raw.n_tokens = row
         return row
@@ -299,13 +305,17 @@ class Engine:
         timing["decode"] += time.perf_counter() - t1
         return DecodeStatus(status)
 
+    def micro_batches(self) -> list[list[int]]:
+        """The batch rows of each micro-batch of the last ``llama_decode``, in
+        the order llama.cpp computed them (each one a pass over the weights)."""
+        return ubatch_rows(self._last.seqs().tolist(), self.n_ubatch, self.n_stream > 1)
+
     def take_taps(self) -> dict[int, np.ndarray]:
         """The layer outputs the tap captured during the last decode."""
         if self.tap is None:
             raise EngineError("this engine has no layer tap")
-        plan = ubatch_rows(self._last.seqs().tolist(), self.n_ubatch, self.n_stream > 1)
         try:
-            return in_batch_order(self.tap.take(), plan, unified=self.n_stream == 1)
+            return in_batch_order(self.tap.take(), self.micro_batches(), unified=self.n_stream == 1)
         except TapError as exc:
             raise EngineError(str(exc)) from exc
 
