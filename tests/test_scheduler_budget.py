@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from _scheduler_fakes import Harness, sampled_token
 
-from worker.core.jobs.base import Failure, Job, piece_limit
+from worker.core.jobs.base import Failure, Job, even_piece, piece_limit
 from worker.core.outcomes import TurnClock
 from worker.runtime import Session
 
@@ -222,29 +222,55 @@ def test_boosted_atomic_batch_goes_before_decode_rows() -> None:
 
 def test_turn_clock_learns_decode_and_prefill_costs() -> None:
     clock = TurnClock()
-    assert clock.prefill_allowance(2.5) is None  # nothing measured yet: no time limit
-    clock.record(decode_rows=8, prefill_tokens=0, ms=80.0)
-    clock.record(decode_rows=8, prefill_tokens=30, ms=200.0)  # 30 tokens added 120 ms
-    assert clock.decode_ms == 80.0 and clock.prefill_ms_per_token == 4.0
-    assert clock.prefill_allowance(2.5) == 30  # (2.5 - 1) x 80 ms / 4 ms
-    assert clock.prefill_allowance(0) is None  # cadence off
-    clock.prefill_ms_per_token = 1000.0
-    assert clock.prefill_allowance(2.5) == 16  # never below MIN_CUT: prompts always progress
+    assert clock.prefill_allowance(2.5, 8) is None  # nothing measured yet: no time limit
+    clock.record(rows=8, pieces=0, tokens=0, ms=80.0)
+    clock.record(rows=4, pieces=0, tokens=0, ms=50.0)
+    assert clock.decode_at(8) == 80.0 and clock.decode_at(3) == 50.0  # the nearest count
+    clock.record(rows=8, pieces=1, tokens=30, ms=80.0 + 120.0)  # 30 tokens added 120 ms
+    assert clock.prefill_allowance(2.5, 8) is None  # one piece: no line yet
+    clock.record(rows=8, pieces=1, tokens=30, ms=80.0 + 120.0)
+    assert clock.piece_cost() == (0.0, 4.0)  # one size only: all of it per token
+    assert clock.prefill_allowance(2.5, 8) == 30  # (2.5 - 1) x 80 ms / 4 ms
+    # pieces of other sizes show the fixed part: 20 ms + 2 ms a token
+    clock.pieces.clear()
+    clock.record(rows=8, pieces=1, tokens=30, ms=80.0 + 80.0)
+    clock.record(rows=4, pieces=1, tokens=10, ms=50.0 + 40.0)
+    clock.record(rows=4, pieces=1, tokens=60, ms=50.0 + 140.0)
+    fixed, per = clock.piece_cost() or (0.0, 0.0)
+    assert abs(fixed - 20.0) < 1e-6 and abs(per - 2.0) < 1e-6
+    assert clock.prefill_allowance(2.5, 8) == 50  # (1.5 x 80 - 20) / 2
+    assert clock.prefill_allowance(2.5, 4) == 27  # (1.5 x 50 - 20) / 2, beside 4 rows
+    assert clock.prefill_allowance(0, 8) is None  # cadence off
+    clock.decode_ms[8] = 10.0
+    assert clock.prefill_allowance(2.5, 8) == 16  # never below MIN_CUT: prompts always progress
+    clock.record(rows=8, pieces=2, tokens=64, ms=500.0)  # two pieces: not a sample of one
+    assert len(clock.pieces) == 3
+
+
+def test_a_paced_prompt_goes_in_pieces_of_one_size() -> None:
+    assert [even_piece(100, 30), even_piece(75, 30), even_piece(50, 30)] == [25, 25, 25]
+    assert even_piece(25, 30) == 30 and even_piece(130, 36) == 33
+
+
+def _fixed_costs(clock: TurnClock) -> None:
+    """A decode turn of 80 ms at any row count, a prompt token 4 ms, learned no more."""
+    clock.decode_ms = {1: 80.0}
+    clock.pieces.extend([(30, 120.0), (30, 120.0)])
+    clock.record = lambda *a: None  # type: ignore[method-assign]
 
 
 def test_prefill_is_cut_to_the_time_left_while_streams_decode() -> None:
     h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256, cadence=2.5)
     h.submit(h.generate(max_tokens=50))
     h.turn()  # the stream is decoding from now on
-    h.sched.outcomes.clock.decode_ms, h.sched.outcomes.clock.prefill_ms_per_token = 80.0, 4.0
-    h.sched.outcomes.clock.record = lambda *a: None  # type: ignore[method-assign]  # keep the costs fixed
+    _fixed_costs(h.sched.outcomes.clock)
     h.submit(h.prefill("p", 100))
-    h.turn(3)
-    sizes = [[len(r.tokens) for r in call] for call in h.rt.calls[1:4]]
-    assert sizes == [[1, 30], [1, 30], [1, 30]]
+    h.turn(4)
+    sizes = [[len(r.tokens) for r in call] for call in h.rt.calls[1:5]]
+    assert sizes == [[1, 25], [1, 25], [1, 25], [1, 25]]  # 30 fit a turn: 4 even pieces
     # Without streams, the prompt's piece is taken whole.
     h = Harness(lanes=3, max_batch_tokens=512, prefill_chunk=256, cadence=2.5)
-    h.sched.outcomes.clock.decode_ms, h.sched.outcomes.clock.prefill_ms_per_token = 80.0, 4.0
+    _fixed_costs(h.sched.outcomes.clock)
     h.submit(h.prefill("p", 100))
     h.turn()
     assert [len(r.tokens) for r in h.rt.calls[0]] == [100]

@@ -28,11 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 from structlog import get_logger
 
 from faults import EngineFault, Fault
 
-from ..runtime import Call, Flight, RuntimeState, Step, StepResult
+from ..runtime import Call, Flight, RuntimeState, Step, StepResult, runs
 from .jobs.base import MIN_CUT, PHASE_DECODE, Job
 
 _log = get_logger("skiff.scheduler")
@@ -131,18 +132,10 @@ class SchedulerStats:
 
     def _forward_percentiles(self) -> dict[str, float]:
         """p50/p99/max of the last 1024 forwards: how long a ping may wait."""
-        if not self._recent_forwards:
-            return {"p50": 0.0, "p99": 0.0, "max": 0.0}
-        ordered = sorted(self._recent_forwards)
-
-        def pick(q: float) -> float:
-            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-        return {
-            "p50": round(pick(0.5) * 1000, 3),
-            "p99": round(pick(0.99) * 1000, 3),
-            "max": round(ordered[-1] * 1000, 3),
-        }
+        ordered = sorted(self._recent_forwards) or [0.0]
+        at = {"p50": 0.5, "p99": 0.99, "max": 1.0}
+        n = len(ordered)
+        return {k: round(ordered[min(n - 1, int(q * n))] * 1000, 3) for k, q in at.items()}
 
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -181,31 +174,55 @@ class _Flying:
 
 
 class TurnClock:
-    """What a turn costs, learned from measured forwards (moving averages)."""
+    """What a turn costs, learned from measured forwards, for ``--cadence``:
+    a decode-only turn per row count (moving averages), and what a prompt
+    piece adds beside it, a fixed part (its own micro-batch, a pass over the
+    weights) plus a part per token, fitted over the last ``SAMPLES`` such
+    turns (one average per token undercharged small pieces: turns overran).
+    Only plain forwards teach it: no drafts, lanes in one run."""
 
     ALPHA = 0.2
+    SAMPLES = 32
 
     def __init__(self) -> None:
-        self.decode_ms: float | None = None  # a decode-only turn
-        self.prefill_ms_per_token: float | None = None
+        self.decode_ms: dict[int, float] = {}  # decode rows -> ms of a decode-only turn
+        self.pieces: deque[tuple[int, float]] = deque(maxlen=self.SAMPLES)  # (tokens, ms added)
 
-    def record(self, decode_rows: int, prefill_tokens: int, ms: float) -> None:
-        a = self.ALPHA
-        if prefill_tokens == 0:
-            if decode_rows:
-                self.decode_ms = ms if self.decode_ms is None else (1 - a) * self.decode_ms + a * ms
-            return
-        extra = ms - (self.decode_ms or 0.0) if decode_rows else ms
-        per = max(extra, 0.0) / prefill_tokens
-        old = self.prefill_ms_per_token
-        self.prefill_ms_per_token = per if old is None else (1 - a) * old + a * per
+    def record(self, rows: int, pieces: int, tokens: int, ms: float) -> None:
+        """A forward of ``rows`` one-token rows and ``pieces`` of ``tokens``."""
+        if not pieces:
+            old = self.decode_ms.get(rows)
+            self.decode_ms[rows] = ms if old is None else (1 - self.ALPHA) * old + self.ALPHA * ms
+        elif pieces == 1 and rows in self.decode_ms:
+            self.pieces.append((tokens, ms - self.decode_ms[rows]))
 
-    def prefill_allowance(self, cadence: float) -> int | None:
-        """Prefill tokens a turn with decoding streams may carry; None = no limit known."""
-        if cadence <= 0 or self.decode_ms is None or not self.prefill_ms_per_token:
+    def decode_at(self, rows: int) -> float | None:
+        """A decode-only turn of ``rows`` rows (of the nearest count measured)."""
+        if not self.decode_ms:
             return None
-        room = (cadence - 1.0) * self.decode_ms
-        return max(MIN_CUT, int(room / self.prefill_ms_per_token))  # never starve a prompt
+        return self.decode_ms[min(self.decode_ms, key=lambda n: (abs(n - rows), n))]
+
+    def piece_cost(self) -> tuple[float, float] | None:
+        """(fixed ms, ms per token) a piece adds to a turn; None before two samples."""
+        if len(self.pieces) < 2:
+            return None
+        n, ms = (np.array(v, dtype=np.float64) for v in zip(*self.pieces, strict=True))
+        if np.ptp(n) >= MIN_CUT:
+            per, fixed = (float(x) for x in np.polyfit(n, ms, 1))
+            if per > 0:
+                return max(fixed, 0.0), per
+        # pieces of one size (or noise): no slope to fit, all of it per token
+        return 0.0, max(float(ms.mean() / n.mean()), 0.01)
+
+    def prefill_allowance(self, cadence: float, rows: int) -> int | None:
+        """Prompt tokens a turn beside ``rows`` decoding streams may carry to
+        last at most ``cadence`` x their decode-only turn; None = no limit."""
+        base, cost = self.decode_at(rows), self.piece_cost()
+        if cadence <= 0 or base is None or cost is None:
+            return None
+        fixed, per = cost
+        room = (cadence - 1.0) * base - fixed
+        return max(MIN_CUT, int(room / per))  # never starve a prompt
 
 
 Finish = Callable[[Job, BaseException | None], None]
@@ -281,10 +298,11 @@ class Outcomes:
             self.complete([(job, count)], results)
 
     def record(self, steps: list[Step], seconds: float) -> None:
-        decode_rows = sum(1 for s in steps if len(s.tokens) == 1 or s.all_rows)
-        prefill = sum(len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows)
-        self.stats.record_forward(steps, seconds, prefill)
-        self.clock.record(decode_rows, prefill, seconds * 1000)
+        pieces = [len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows]
+        self.stats.record_forward(steps, seconds, sum(pieces))
+        rows = sum(1 for s in steps if len(s.tokens) == 1)
+        if rows + len(pieces) == len(steps) and runs({s.session.lane for s in steps}) == 1:
+            self.clock.record(rows, len(pieces), sum(pieces), seconds * 1000)
 
     def complete(self, owners: list[tuple[Job, int]], results: list[StepResult]) -> None:
         offset = 0

@@ -22,10 +22,10 @@ everything else waits one turn. The turn after one is ordinary whenever
 other work is ready, so media never takes more than every other turn.
 
 Turns are budgeted by time as well as tokens. The scheduler learns what a
-decode-only turn costs and what one prefill token adds (moving averages of
-measured forwards). While streams are decoding, prefill gets only the tokens
-that keep the turn within ``cadence`` x a decode-only turn, cutting a piece
-if it must (where a prompt is cut does not change its numbers: rows are
+decode-only turn costs and what a prompt piece adds (``TurnClock``). While
+streams are decoding, prefill gets only the tokens that keep the turn
+within ``cadence`` x a decode-only turn, the prompt cut in pieces of one
+size (where it is cut does not change its numbers: rows are
 batch-invariant), so a prompt arriving mid-stream delays each running
 stream's next token by a bounded amount instead of a whole piece.
 
@@ -51,7 +51,7 @@ from structlog import get_logger
 from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
 
 from ..runtime import RuntimeState, SessionId, Step
-from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job, PeerLimits, piece_limit
+from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job, PeerLimits, even_piece, piece_limit
 from .outcomes import Outcomes, SchedulerStats
 
 _log = get_logger("skiff.scheduler")
@@ -318,7 +318,11 @@ class Scheduler:
         # the streams this forward decodes: a drafter asks whether drafts pay
         streams = sum(1 for j in stable if j.phase == PHASE_DECODE)
         streams = min(streams, group_size) if group_size is not None else streams
-        allowance = self.outcomes.clock.prefill_allowance(self.cfg.cadence) if streaming else None
+        allowance = None
+        if streaming and prefills:
+            allowance = self.outcomes.clock.prefill_allowance(self.cfg.cadence, streams)
+        if allowance is not None:
+            allowance = even_piece(prefills[0].prefill_left(), allowance)
         for phase in (PHASE_DECODE, PHASE_ATOMIC, None):
             if phase is None and allowance is not None:
                 budget = min(budget, allowance)  # the time left for prefill this turn

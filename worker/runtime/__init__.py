@@ -6,7 +6,7 @@ the runtime itself knows nothing of the wire).
 
 from .chain import Call, Flight
 from .draft import DraftRuntime
-from .lanes import Ephemeral, LanePool, Session, SessionId
+from .lanes import Ephemeral, LanePool, Session, SessionId, runs
 from .state import RuntimeState
 from .steps import Origin, Step, StepResult
 
@@ -22,4 +22,5 @@ __all__ = [
     "SessionId",
     "Step",
     "StepResult",
+    "runs",
 ]

@@ -300,6 +300,17 @@ def piece_limit(chunk: int) -> int:
     return chunk + chunk // 8
 
 
+def even_piece(left: int, most: int) -> int:
+    """The piece to take of a prompt with ``left`` tokens to go, at most
+    ``most`` a turn: as many turns as ``most`` needs, in pieces of one size
+    (100 at 30 a turn is 25 x 4, not 30 x 3 and a 10-token turn that costs
+    the streams a turn for little)."""
+    if left <= most:
+        return most
+    turns = -(-left // most)
+    return -(-left // turns)
+
+
 def chunk_bounds(done: int, total: int, chunk: int, budget: int) -> int:
     """How many prompt tokens to take now (0 = wait for a later turn).
 
