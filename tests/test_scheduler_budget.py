@@ -226,11 +226,14 @@ def test_turn_clock_learns_decode_and_prefill_costs() -> None:
     clock.record(rows=8, pieces=0, tokens=0, ms=80.0)
     clock.record(rows=4, pieces=0, tokens=0, ms=50.0)
     assert clock.decode_at(8) == 80.0 and clock.decode_at(3) == 50.0  # the nearest count
+    clock.record(rows=0, pieces=1, tokens=100, ms=500.0)  # a prompt by itself: 5 ms a token
+    clock.record(rows=0, pieces=1, tokens=100, ms=500.0)
+    assert clock.piece_cost() == (0.0, 5.0)  # stands in until pieces ran beside streams
     clock.record(rows=8, pieces=1, tokens=30, ms=80.0 + 120.0)  # 30 tokens added 120 ms
-    assert clock.prefill_allowance(2.5, 8) is None  # one piece: no line yet
     clock.record(rows=8, pieces=1, tokens=30, ms=80.0 + 120.0)
     assert clock.piece_cost() == (0.0, 4.0)  # one size only: all of it per token
-    assert clock.prefill_allowance(2.5, 8) == 30  # (2.5 - 1) x 80 ms / 4 ms
+    # a turn of 8 streams + the prompt's = 80 ms: 2.5 x 80 leaves 120 ms, 30 tokens
+    assert clock.prefill_allowance(2.5, 8) == 30
     # pieces of other sizes show the fixed part: 20 ms + 2 ms a token
     clock.pieces.clear()
     clock.record(rows=8, pieces=1, tokens=30, ms=80.0 + 80.0)
@@ -238,11 +241,14 @@ def test_turn_clock_learns_decode_and_prefill_costs() -> None:
     clock.record(rows=4, pieces=1, tokens=60, ms=50.0 + 140.0)
     fixed, per = clock.piece_cost() or (0.0, 0.0)
     assert abs(fixed - 20.0) < 1e-6 and abs(per - 2.0) < 1e-6
-    assert clock.prefill_allowance(2.5, 8) == 50  # (1.5 x 80 - 20) / 2
-    assert clock.prefill_allowance(2.5, 4) == 27  # (1.5 x 50 - 20) / 2, beside 4 rows
+    assert clock.prefill_allowance(2.5, 8) == 50  # (2.5 x 80 - 80 - 20) / 2
+    assert clock.prefill_allowance(2.5, 3) == 27  # beside 3 rows, 4 with it: (125 - 50 - 20) / 2
+    clock.record(rows=8, pieces=0, tokens=0, ms=100.0, gaps=1)  # a gap: 20 ms more
+    assert clock.gap_ms == 20.0 and clock.decode_at(8) == 80.0  # gapped: not a decode turn
+    assert clock.prefill_allowance(2.5, 8, gaps=1) == 40  # (200 - 80 - 20 - 20) / 2
+    assert clock.prefill_allowance(2.5, 8, drafts=5) == 45  # 5 draft tokens at 2 ms
     assert clock.prefill_allowance(0, 8) is None  # cadence off
-    clock.decode_ms[8] = 10.0
-    assert clock.prefill_allowance(2.5, 8) == 16  # never below MIN_CUT: prompts always progress
+    assert clock.prefill_allowance(1.0, 8) == 16  # never below MIN_CUT: prompts always progress
     clock.record(rows=8, pieces=2, tokens=64, ms=500.0)  # two pieces: not a sample of one
     assert len(clock.pieces) == 3
 
@@ -250,6 +256,7 @@ def test_turn_clock_learns_decode_and_prefill_costs() -> None:
 def test_a_paced_prompt_goes_in_pieces_of_one_size() -> None:
     assert [even_piece(100, 30), even_piece(75, 30), even_piece(50, 30)] == [25, 25, 25]
     assert even_piece(25, 30) == 30 and even_piece(130, 36) == 33
+    assert even_piece(100, 16) == 16  # 15 x 7 would be under MIN_CUT: such a piece waits
 
 
 def _fixed_costs(clock: TurnClock) -> None:

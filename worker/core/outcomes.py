@@ -1,22 +1,16 @@
 """What becomes of a forward the scheduler planned: results, failures, flights.
 
-``Outcomes`` is what the ``Scheduler`` hands a planned forward to: each
-measured forward feeds the stats and the ``TurnClock`` (what a turn costs,
-which the planner's cadence budget reads), its results go to the jobs that
-own its steps, a failed forward is isolated (jobs whose KV moved fail, the
-others run again alone), and a pipeline stage's forwards go down the chain
-(``launch``) and come home (``land``) while other work runs, as do the
-answers to its other requests down the chain (session ops, state moves,
-``info``), each handed to the job waiting for it. The scheduler owns the
-jobs (intake, reaping, admission, planning) and lends ``finish`` and its
-list of running jobs; this object owns the clock and the flights.
+The ``Scheduler`` hands each planned forward to ``Outcomes``: it is
+measured (for the stats and the ``TurnClock`` the cadence budget reads),
+its results go to the jobs owning its steps, a failed one is isolated (jobs
+whose KV moved fail, the others run again alone), and a pipeline stage's
+forwards and other requests go down the chain (``launch``) and come home
+(``land``) to the job waiting for them while other work runs. The
+scheduler owns the jobs and lends ``finish`` and its running list.
 
-The scheduler's counters for ``stats`` (``SchedulerStats``: admissions,
-throughput, batch shapes) live here too, since forwards are most of what
-they count. Throughput is a sliding 10 s window of (time, prefill tokens,
-decode tokens) per forward; occupancy a histogram of tokens per forward in
-power-of-two buckets. Everything is bounded: the window drops old entries,
-the histogram has fixed buckets.
+``SchedulerStats`` (admissions, throughput, batch shapes) lives here too,
+since forwards are most of what it counts: a sliding 10 s window and a
+fixed power-of-two histogram of tokens per forward, both bounded.
 """
 
 from __future__ import annotations
@@ -174,12 +168,12 @@ class _Flying:
 
 
 class TurnClock:
-    """What a turn costs, learned from measured forwards, for ``--cadence``:
-    a decode-only turn per row count (moving averages), and what a prompt
-    piece adds beside it, a fixed part (its own micro-batch, a pass over the
-    weights) plus a part per token, fitted over the last ``SAMPLES`` such
-    turns (one average per token undercharged small pieces: turns overran).
-    Only plain forwards teach it: no drafts, lanes in one run."""
+    """What a turn costs, learned from forwards without drafts, for
+    ``--cadence``: a decode-only turn per row count, what a gap between the
+    lanes adds (a micro-batch: moving averages), and what a prompt piece
+    adds beside decode rows, a fixed part (its own micro-batch) plus a part
+    per token, a line over the last ``SAMPLES`` (one average per token
+    undercharged small pieces, and turns overran)."""
 
     ALPHA = 0.2
     SAMPLES = 32
@@ -187,14 +181,24 @@ class TurnClock:
     def __init__(self) -> None:
         self.decode_ms: dict[int, float] = {}  # decode rows -> ms of a decode-only turn
         self.pieces: deque[tuple[int, float]] = deque(maxlen=self.SAMPLES)  # (tokens, ms added)
+        self.alone: deque[tuple[int, float]] = deque(maxlen=self.SAMPLES)  # (tokens, ms) by itself
+        self.gap_ms: float | None = None  # a gap between a forward's lanes: a micro-batch more
 
-    def record(self, rows: int, pieces: int, tokens: int, ms: float) -> None:
-        """A forward of ``rows`` one-token rows and ``pieces`` of ``tokens``."""
-        if not pieces:
-            old = self.decode_ms.get(rows)
-            self.decode_ms[rows] = ms if old is None else (1 - self.ALPHA) * old + self.ALPHA * ms
+    def record(self, rows: int, pieces: int, tokens: int, ms: float, gaps: int = 0) -> None:
+        """A forward of ``rows`` one-token rows and ``pieces`` of ``tokens``,
+        over lanes with ``gaps`` gaps between them."""
+        if gaps:
+            if not pieces and rows in self.decode_ms:
+                self.gap_ms = self._ema(self.gap_ms, max(ms - self.decode_ms[rows], 0.0) / gaps)
+        elif not pieces:
+            self.decode_ms[rows] = self._ema(self.decode_ms.get(rows), ms)
         elif pieces == 1 and rows in self.decode_ms:
             self.pieces.append((tokens, ms - self.decode_ms[rows]))
+        elif pieces == 1 and not rows:  # what a piece costs before one ran beside streams
+            self.alone.append((tokens, ms))
+
+    def _ema(self, old: float | None, ms: float) -> float:
+        return ms if old is None else (1 - self.ALPHA) * old + self.ALPHA * ms
 
     def decode_at(self, rows: int) -> float | None:
         """A decode-only turn of ``rows`` rows (of the nearest count measured)."""
@@ -203,10 +207,13 @@ class TurnClock:
         return self.decode_ms[min(self.decode_ms, key=lambda n: (abs(n - rows), n))]
 
     def piece_cost(self) -> tuple[float, float] | None:
-        """(fixed ms, ms per token) a piece adds to a turn; None before two samples."""
-        if len(self.pieces) < 2:
+        """(fixed ms, ms per token) a piece adds to a turn; None before two
+        samples. Until two ran beside streams, a piece by itself stands in
+        (an overestimate: its forward's own fixed costs are in it)."""
+        samples = self.pieces if len(self.pieces) >= 2 else self.alone
+        if len(samples) < 2:
             return None
-        n, ms = (np.array(v, dtype=np.float64) for v in zip(*self.pieces, strict=True))
+        n, ms = (np.array(v, dtype=np.float64) for v in zip(*samples, strict=True))
         if np.ptp(n) >= MIN_CUT:
             per, fixed = (float(x) for x in np.polyfit(n, ms, 1))
             if per > 0:
@@ -214,14 +221,19 @@ class TurnClock:
         # pieces of one size (or noise): no slope to fit, all of it per token
         return 0.0, max(float(ms.mean() / n.mean()), 0.01)
 
-    def prefill_allowance(self, cadence: float, rows: int) -> int | None:
-        """Prompt tokens a turn beside ``rows`` decoding streams may carry to
-        last at most ``cadence`` x their decode-only turn; None = no limit."""
+    def prefill_allowance(
+        self, cadence: float, rows: int, gaps: int = 0, drafts: int = 0
+    ) -> int | None:
+        """Prompt tokens a turn beside ``rows`` decoding streams (with
+        ``drafts`` draft tokens, ``gaps`` gaps between their lanes and the
+        prompt's) may carry to last at most ``cadence`` x a decode-only turn
+        of the streams the prompt's will join; None = no limit."""
         base, cost = self.decode_at(rows), self.piece_cost()
         if cadence <= 0 or base is None or cost is None:
             return None
         fixed, per = cost
-        room = (cadence - 1.0) * base - fixed
+        step = self.decode_at(rows + 1) or base
+        room = cadence * step - base - fixed - gaps * (self.gap_ms or 0.0) - drafts * per
         return max(MIN_CUT, int(room / per))  # never starve a prompt
 
 
@@ -301,8 +313,9 @@ class Outcomes:
         pieces = [len(s.tokens) for s in steps if len(s.tokens) > 1 and not s.all_rows]
         self.stats.record_forward(steps, seconds, sum(pieces))
         rows = sum(1 for s in steps if len(s.tokens) == 1)
-        if rows + len(pieces) == len(steps) and runs({s.session.lane for s in steps}) == 1:
-            self.clock.record(rows, len(pieces), sum(pieces), seconds * 1000)
+        if rows + len(pieces) == len(steps):  # no drafts
+            gaps = runs({s.session.lane for s in steps}) - 1
+            self.clock.record(rows, len(pieces), sum(pieces), seconds * 1000, gaps)
 
     def complete(self, owners: list[tuple[Job, int]], results: list[StepResult]) -> None:
         offset = 0

@@ -50,7 +50,7 @@ from structlog import get_logger
 
 from faults import Cancelled, DeadlineExceeded, Fault, LanesBusy, QueueFull
 
-from ..runtime import RuntimeState, SessionId, Step
+from ..runtime import RuntimeState, SessionId, Step, runs
 from .jobs.base import PHASE_ATOMIC, PHASE_DECODE, Job, PeerLimits, even_piece, piece_limit
 from .outcomes import Outcomes, SchedulerStats
 
@@ -314,17 +314,11 @@ class Scheduler:
         if boosted is not None:
             stable.remove(boosted)
             stable.insert(0, boosted)
-        streaming = any(j.phase == PHASE_DECODE for j in self.active)
         # the streams this forward decodes: a drafter asks whether drafts pay
         streams = sum(1 for j in stable if j.phase == PHASE_DECODE)
         streams = min(streams, group_size) if group_size is not None else streams
-        allowance = None
-        if streaming and prefills:
-            allowance = self.outcomes.clock.prefill_allowance(self.cfg.cadence, streams)
-        if allowance is not None:
-            allowance = even_piece(prefills[0].prefill_left(), allowance)
         for phase in (PHASE_DECODE, PHASE_ATOMIC, None):
-            if phase is None and allowance is not None:
+            if phase is None and (allowance := self._allowance(prefills, steps)) is not None:
                 budget = min(budget, allowance)  # the time left for prefill this turn
             if phase is None and len(prefills) > 1:
                 budget = min(budget, piece_limit(self.cfg.prefill_chunk))  # one piece
@@ -358,6 +352,19 @@ class Scheduler:
                 owners.append((job, len(planned)))
                 budget -= sum(len(s.tokens) for s in planned)
         return steps, owners
+
+    def _allowance(self, prefills: list[Job], steps: list[Step]) -> int | None:
+        """The next prompt's piece while streams decode (``--cadence``): what
+        keeps the turn within its time beside the rows planned so far, in
+        pieces of one size; None = only the token budget applies."""
+        rows = [s for s in steps if len(s.tokens) == 1 or s.all_rows]  # streams, drafts
+        if not prefills or not rows or self.rt.chained:
+            return None  # a stage's turn is a flight down the chain: not what the clock models
+        lanes = {s.session.lane for s in rows} | {self._first_lane(prefills[0])}
+        drafts = sum(len(s.tokens) - 1 for s in rows)
+        clock = self.outcomes.clock
+        most = clock.prefill_allowance(self.cfg.cadence, len(rows), runs(lanes) - 1, drafts)
+        return None if most is None else even_piece(prefills[0].prefill_left(), most)
 
     def _exclusive_turn(self, ready: list[Job]) -> tuple[list[Step], list[tuple[Job, int]]] | None:
         """This turn's forward when it belongs to one job alone; None for an

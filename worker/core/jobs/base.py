@@ -304,11 +304,12 @@ def even_piece(left: int, most: int) -> int:
     """The piece to take of a prompt with ``left`` tokens to go, at most
     ``most`` a turn: as many turns as ``most`` needs, in pieces of one size
     (100 at 30 a turn is 25 x 4, not 30 x 3 and a 10-token turn that costs
-    the streams a turn for little)."""
+    the streams a turn for little); never below ``MIN_CUT``, under which a
+    piece would wait."""
     if left <= most:
         return most
     turns = -(-left // most)
-    return -(-left // turns)
+    return max(-(-left // turns), min(most, MIN_CUT))
 
 
 def chunk_bounds(done: int, total: int, chunk: int, budget: int) -> int:
