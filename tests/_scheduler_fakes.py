@@ -39,6 +39,7 @@ def sampled_token(position: int) -> int:
 
 class FakeEngine:
     n_layer = 4
+    kv_unified = False  # a KV stream per lane, as the engine's default
 
     def piece(self, token: int) -> bytes:
         return f"<{token}>".encode()

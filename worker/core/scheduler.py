@@ -358,8 +358,12 @@ class Scheduler:
         keeps the turn within its time beside the rows planned so far, in
         pieces of one size; None = only the token budget applies."""
         rows = [s for s in steps if len(s.tokens) == 1 or s.all_rows]  # streams, drafts
-        if not prefills or not rows or self.rt.chained:
-            return None  # a stage's turn is a flight down the chain: not what the clock models
+        # Not on a pipeline stage (its turn is a flight down the chain, not
+        # what the clock models), nor in a unified KV cache: its lanes share
+        # the cells, and a prompt taking them a piece at a time could leave
+        # a running stream without room where a whole piece fails alone.
+        if not prefills or not rows or self.rt.chained or self.rt.engine.kv_unified:
+            return None
         lanes = {s.session.lane for s in rows} | {self._first_lane(prefills[0])}
         drafts = sum(len(s.tokens) - 1 for s in rows)
         clock = self.outcomes.clock
