@@ -355,13 +355,12 @@ class Scheduler:
 
     def _allowance(self, prefills: list[Job], steps: list[Step]) -> int | None:
         """The next prompt's piece while streams decode (``--cadence``): what
-        keeps the turn within its time beside the rows planned so far, in
-        pieces of one size; None = only the token budget applies."""
+        keeps the turn in time beside the rows planned so far, in pieces of
+        one size; None = only the token budget applies. Not on a stage (a
+        turn is a flight down the chain), nor in a unified KV cache (a
+        prompt taking shared cells piecemeal could starve a running stream,
+        where a whole piece that does not fit fails alone)."""
         rows = [s for s in steps if len(s.tokens) == 1 or s.all_rows]  # streams, drafts
-        # Not on a pipeline stage (its turn is a flight down the chain, not
-        # what the clock models), nor in a unified KV cache: its lanes share
-        # the cells, and a prompt taking them a piece at a time could leave
-        # a running stream without room where a whole piece fails alone.
         if not prefills or not rows or self.rt.chained or self.rt.engine.kv_unified:
             return None
         lanes = {s.session.lane for s in rows} | {self._first_lane(prefills[0])}
