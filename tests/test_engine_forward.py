@@ -119,7 +119,10 @@ def test_a_forward_without_one_token_rows_stays_one_call(engine: Engine, calls: 
     assert engine.output_index(1, 24) == engine.output_index(1)
 
 
-def test_rows_go_into_the_batch_in_lane_order(engine: Engine, calls: list[int]) -> None:
+@pytest.mark.parametrize(("held", "start"), SPANS, ids=["short", "past-window"])
+def test_rows_go_into_the_batch_in_lane_order(
+    engine: Engine, calls: list[int], held: int, start: int
+) -> None:
     """The scheduler hands decode rows first and a new prompt's piece after
     them, whatever its lane. llama.cpp's equal split (a KV stream per lane)
     ends a micro-batch at the first row whose lane is not the previous
@@ -129,12 +132,13 @@ def test_rows_go_into_the_batch_in_lane_order(engine: Engine, calls: list[int]) 
     for lane in range(LANES):
         engine.seq_clear(lane)
     decoding = [0, 2, 3]
-    held = 20
     streams = {lane: _tokens(engine, f"stream {lane}", held + 1) for lane in decoding}
     for lane, toks in streams.items():
         _prefill(engine, lane, toks[:held])
     steps = [Segment(lane, toks[held:], held) for lane, toks in streams.items()]
-    piece = Segment(1, _tokens(engine, "the new prompt", PIECE), 0, "last")
+    text = _tokens(engine, "the new prompt", start + PIECE)
+    _prefill(engine, 1, text[:start])
+    piece = Segment(1, text[start:], start, "last")
     expected = [_alone(engine, seg) for seg in [*steps, piece]]
 
     calls.clear()
