@@ -110,6 +110,22 @@ def test_a_drafter_is_told_how_many_streams_its_forward_decodes() -> None:
     assert drafters[2].streams == [3, 3, 2, 2, 1, 1]
 
 
+def test_a_prompt_being_prefilled_counts_among_a_drafters_streams() -> None:
+    """Beside a prompt's piece every row costs a prompt token's time, so
+    the drafter is told the prompt shares the forward (auto drafting stops
+    above ``--speculate-streams``) for as long as its pieces last."""
+    h = Harness(lanes=2, max_batch_tokens=64, prefill_chunk=4)
+    drafter = _Recording()
+    job = h.generate(session="s", max_tokens=8)
+    job.drafter = drafter
+    h.submit(job)
+    h.turn(2)
+    assert drafter.streams == [1]
+    h.submit(h.prefill("p", 12))  # three pieces of 4
+    h.turn(4)
+    assert drafter.streams == [1, 2, 2, 2, 1]
+
+
 def test_a_turn_batches_decode_then_atomic_then_prefill() -> None:
     h = Harness(lanes=4, max_batch_tokens=64)
     h.rt.admit(["pre", "atom"])  # lanes 0 and 1, ahead of the stream's lane 2

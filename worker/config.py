@@ -189,7 +189,8 @@ _OPTIONS: list[tuple[str, type, str]] = [
     (
         "speculate-streams",
         int,
-        "--speculate auto drafts while at most this many streams decode in one forward",
+        "--speculate auto drafts while at most this many jobs (a prompt being prefilled "
+        "counts) share one forward",
     ),
     (
         "mmproj",

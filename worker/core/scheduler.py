@@ -314,9 +314,11 @@ class Scheduler:
         if boosted is not None:
             stable.remove(boosted)
             stable.insert(0, boosted)
-        # the streams this forward decodes: a drafter asks whether drafts pay
+        # the jobs this forward carries, a prompt's among them: a drafter asks
+        # whether drafts pay (beside a piece a row costs a prompt token's time)
         streams = sum(1 for j in stable if j.phase == PHASE_DECODE)
         streams = min(streams, group_size) if group_size is not None else streams
+        streams += len(prefills)
         for phase in (PHASE_DECODE, PHASE_ATOMIC, None):
             if phase is None and (allowance := self._allowance(prefills, steps)) is not None:
                 budget = min(budget, allowance)  # the time left for prefill this turn

@@ -346,11 +346,11 @@ class PromptLookup:
     Asked for (``speculative: {"mode": "prompt_lookup"}``) it always drafts
     what it finds. Turned on by the worker (``--speculate auto``,
     ``max_streams`` set) it drafts only while at most ``max_streams``
-    streams decode in the forward, where extra rows cost little, and sizes
-    its drafts by what the target kept: a draft kept whole doubles the next
-    (from 4 up to ``max_draft``), one kept in part sets it to what was kept
-    plus one, and after a draft of which nothing was kept it rests for 1, 2,
-    4, ... up to 16 tokens. Every row of a span is scored with the whole
+    jobs share the forward (a prompt piece counts), where extra rows cost
+    little, and sizes its drafts by what the target kept: a draft kept whole
+    doubles the next (from 4 up to ``max_draft``), one kept in part sets it
+    to what was kept plus one, and after a draft of which nothing was kept
+    it rests for 1, 2, 4, ... up to 16 tokens. Every row of a span is scored with the whole
     head, so a long draft pays only where text repeats at length (quoting,
     loops), and text that does not repeat costs next to nothing.
     """

@@ -198,8 +198,9 @@ class Job:
         self.sessions = tuple(sessions)
         self.cancelled = False
         self.suspend = False  # asked to stop at a token boundary and hand its state over
-        # Decode streams in the forward being planned (the scheduler sets it
-        # before ``plan``): whether extra rows, a speculative draft's, pay.
+        # Jobs in the forward being planned, decoding or prefilling (the
+        # scheduler sets it before ``plan``): whether extra rows, a
+        # speculative draft's, pay.
         self.streams = 1
         self._then: Callable[[], None] | None = None  # the reply, once the chain has answered
 
