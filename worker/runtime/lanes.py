@@ -57,6 +57,11 @@ SIGNAL_HISTORY = 4096
 # weight follows the measured costs (docs/gateway.md: behind the gateway).
 TOKENS_PER_RUN = 512
 
+# Forwards a gap between their lanes may last before a session moves to close
+# it (``gap_move``): a stream that ends leaves one, and in a closed loop the
+# next prompt mostly fills it within a forward or two.
+GAP_FORWARDS = 2
+
 
 @dataclass(frozen=True)
 class Ephemeral:
@@ -116,6 +121,7 @@ class LanePool:
         self.evicted: list[int] = []  # lanes to clear before reuse
         self.evicted_tokens: dict[int, list[int]] = {}  # what those lanes held
         self.sessions: dict[SessionId, Session] = {}
+        self.gapped = 0  # forwards in a row whose lanes had a gap
 
     @property
     def free(self) -> int:
@@ -157,6 +163,58 @@ class LanePool:
         else:
             self._free.remove(lane)
         return lane
+
+    def gap_move(self, lanes: set[int], piece: bool) -> tuple[Session, int] | None:
+        """Asked before every forward (over ``lanes``; ``piece``: it carries a
+        prompt piece): the move to make first, once a gap between the lanes
+        has lasted ``GAP_FORWARDS`` forwards. Each run of lanes is one more
+        pass over the weights (3 streams on lanes 3, 5, 6 decoded in 36 ms,
+        on 4-6 in 23), and moving a session's cells costs ~1.4 ms per 100;
+        not before a forward with a piece (it is as long as streams can
+        wait already)."""
+        self.gapped = self.gapped + 1 if runs(lanes) > 1 else 0
+        if self.gapped <= GAP_FORWARDS or piece:
+            return None
+        choice = self.closing_move(lanes)
+        if choice is not None:
+            self.gapped = 0
+        return choice
+
+    def closing_move(self, lanes: set[int]) -> tuple[Session, int] | None:
+        """(session, lane) of the one move that best closes the gaps between
+        ``lanes`` (a forward's): a session on one of them to a free lane,
+        weighed as ``_take_lane`` weighs a new session's (runs, then a cached
+        lane's tokens), the shortest session first (its cells are copied);
+        None when no move leaves fewer runs."""
+        now = runs(lanes)
+        order = {lane: rank for rank, lane in enumerate(self._cached)}
+        best: tuple[tuple[int, int, int, int], Session, int] | None = None
+        for session in self.sessions.values():
+            if session.lane not in lanes:
+                continue
+            rest = lanes - {session.lane}
+            for lane in [*self._free, *self._cached]:
+                after = runs(rest | {lane})
+                if after >= now:
+                    continue
+                worth = len(self._cached[lane]) if lane in self._cached else 0
+                key = (after * TOKENS_PER_RUN + worth, session.position, order.get(lane, -1), lane)
+                if best is None or key < best[0]:
+                    best = (key, session, lane)
+        return None if best is None else (best[1], best[2])
+
+    def move(self, session_id: SessionId, lane: int) -> int:
+        """Give a session the free ``lane`` (a cached one is evicted) and
+        free the lane it had, which it returns; the runtime moves the cells."""
+        session = self.require(session_id)
+        if lane in self._cached:
+            self.evicted_tokens[lane] = self._cached.pop(lane)
+            self.evicted.append(lane)
+        else:
+            self._free.remove(lane)
+        old, session.lane = session.lane, lane
+        self._free.append(old)
+        return old
 
     @property
     def active(self) -> int:

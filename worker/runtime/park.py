@@ -1,4 +1,5 @@
-"""Parked sessions: lanes are a cache over sessions.
+"""Parked sessions: lanes are a cache over sessions (and a session's cells
+moved from one lane to another, ``move_cells``).
 
 A worker has a fixed number of lanes (KV sequences), but a chat service
 holds far more open conversations than it decodes at once. When a session
@@ -250,6 +251,23 @@ def make_room(rt: ParkHost, ids: list[SessionId]) -> None:
         rt.lanes.release(session.id)
         session.lane = -1
         park.put(session, kv, keep=frozenset(ids))
+
+
+def move_cells(engine: Engine, session: Session, src: int) -> bool:
+    """Copy a session's cells from lane ``src`` into its new, empty lane,
+    all of them (a trim reaches as far back as before) and byte for byte
+    (the continuation is the one that stayed, to the bit), then clear
+    ``src``. False, with the new lane cleared and ``src`` intact, when
+    llama.cpp refuses."""
+    if session.position:
+        kv = engine.state_get(src, all_cells=True)
+        if not engine.state_set(session.lane, kv) or (
+            engine.pos_max(session.lane) + 1 != session.position
+        ):
+            engine.seq_clear(session.lane)
+            return False
+    engine.seq_clear(src)
+    return True
 
 
 def restore(rt: ParkHost, placeholder: Session) -> Session:

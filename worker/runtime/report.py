@@ -20,6 +20,7 @@ def runtime_stats(rt: RuntimeState) -> dict[str, Any]:
             "idle": rt.lanes.free,
             # lanes a new session could get: idle, or an idle session's (parked)
             "room": rt.lanes_for([])[1],
+            "moves": rt.moves,  # sessions moved to close a gap between a forward's lanes
         },
         "sessions": [
             {"lane": s.lane, "session": str(s.id), "position": s.position}

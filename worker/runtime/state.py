@@ -35,7 +35,7 @@ from ..engine import Engine, Segment
 from . import chain, prefix
 from .chain import Call, Flight
 from .lanes import LanePool, Session, SessionId
-from .park import Park, make_room, parkable, restore
+from .park import Park, make_room, move_cells, parkable, restore
 from .prefix import MIN_PREFIX_REUSE, PrefixStats, PromptRam, window_holds
 from .steps import RowReader, Step, StepResult, group_steps, output_rows
 from .tail import Tail
@@ -78,6 +78,7 @@ class RuntimeState:
         self.ctx_per_lane = engine.n_ctx_per_seq
         self.tokens_evaluated = 0
         self.forwards = 0
+        self.moves = 0  # sessions moved to close a gap between a forward's lanes
         self.rows_s = 0.0  # seconds turning forwards into rows: logits, samples (profile)
         self.prefix = PrefixStats()
         self.started = time.monotonic()
@@ -307,6 +308,11 @@ class RuntimeState:
         """
         # a stage's scheduler launches its forwards down the chain instead
         assert self.tail is None, "a chained runtime runs launch / land, not forward"
+        # a gap between the lanes costs a pass over the weights (LanePool.gap_move)
+        piece = any(len(s.tokens) > 1 and not s.all_rows for s in steps)
+        lanes = {s.session.lane for s in steps}
+        if not self.engine.kv_unified and (due := self.lanes.gap_move(lanes, piece)):
+            self._move(*due)
         for step in steps:
             self.ensure_room(step.session, len(step.tokens))
         groups = group_steps(steps)
@@ -317,6 +323,15 @@ class RuntimeState:
             for i, result in zip(indices, outcome, strict=True):
                 results[i] = result
         return results
+
+    def _move(self, session: Session, lane: int) -> None:
+        """Move a session and its cells to ``lane`` (``park.move_cells``)."""
+        src = self.lanes.move(session.id, lane)
+        self._clear_evicted()  # a cached lane's prompt is kept (PromptRam) first
+        if move_cells(self.engine, session, src):
+            self.moves += 1
+        else:
+            self.lanes.move(session.id, src)  # it stays where it was
 
     # -- forwards through a pipeline chain, asynchronously (runtime/chain.py) --
 
