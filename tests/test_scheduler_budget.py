@@ -263,6 +263,7 @@ def test_turn_clock_learns_decode_and_prefill_costs() -> None:
     assert clock.gap_ms == 20.0 and clock.decode_at(8) == 80.0  # gapped: not a decode turn
     assert clock.prefill_allowance(2.5, 8, gaps=1) == 40  # (200 - 80 - 20 - 20) / 2
     assert clock.prefill_allowance(2.5, 8, drafts=5) == 45  # 5 draft tokens at 2 ms
+    assert clock.prefill_allowance(2.5, 8, spent_ms=8.0) == 46  # admission took 8 ms of it
     assert clock.prefill_allowance(0, 8) is None  # cadence off
     assert clock.prefill_allowance(1.0, 8) == 16  # never below MIN_CUT: prompts always progress
     clock.record(rows=8, pieces=2, tokens=64, ms=500.0)  # two pieces: not a sample of one

@@ -222,18 +222,20 @@ class TurnClock:
         return 0.0, max(float(ms.mean() / n.mean()), 0.01)
 
     def prefill_allowance(
-        self, cadence: float, rows: int, gaps: int = 0, drafts: int = 0
+        self, cadence: float, rows: int, gaps: int = 0, drafts: int = 0, spent_ms: float = 0.0
     ) -> int | None:
         """Prompt tokens a turn beside ``rows`` decoding streams (with
         ``drafts`` draft tokens, ``gaps`` gaps between their lanes and the
-        prompt's) may carry to last at most ``cadence`` x a decode-only turn
-        of the streams the prompt's will join; None = no limit."""
+        prompt's, ``spent_ms`` gone already: admission saving an evicted
+        lane, restoring a prompt) may carry to last at most ``cadence`` x a
+        decode-only turn of the streams the prompt's will join; None = no
+        limit."""
         base, cost = self.decode_at(rows), self.piece_cost()
         if cadence <= 0 or base is None or cost is None:
             return None
         fixed, per = cost
         step = self.decode_at(rows + 1) or base
-        room = cadence * step - base - fixed - gaps * (self.gap_ms or 0.0) - drafts * per
+        room = cadence * step - base - fixed - gaps * (self.gap_ms or 0.0) - drafts * per - spent_ms
         return max(MIN_CUT, int(room / per))  # never starve a prompt
 
 

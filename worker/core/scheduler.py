@@ -87,6 +87,7 @@ class Scheduler:
         self.outcomes = Outcomes(rt, self.stats, self._finish, self.active)
         self.peers = PeerLimits(cfg.max_sessions_per_peer, cfg.max_streams_per_peer)
         self._exclusive_last = False  # the last turn was one job's alone
+        self._started = 0.0  # when this turn began (admission's time is the turn's too)
         # A session a running job holds is never parked to make room.
         rt.pinned = self.busy.__contains__
 
@@ -171,7 +172,7 @@ class Scheduler:
         self._turn += 1
         if self.outcomes.expecting:
             self.outcomes.land(0)
-        t0 = time.perf_counter()
+        t0 = self._started = time.perf_counter()
         now = time.monotonic()
         self._reap(now)
         self._start_pending(now)
@@ -368,7 +369,8 @@ class Scheduler:
         lanes = {s.session.lane for s in rows} | {self._first_lane(prefills[0])}
         drafts = sum(len(s.tokens) - 1 for s in rows)
         clock = self.outcomes.clock
-        most = clock.prefill_allowance(self.cfg.cadence, len(rows), runs(lanes) - 1, drafts)
+        spent = (time.perf_counter() - self._started) * 1000  # reaping, admission, planning
+        most = clock.prefill_allowance(self.cfg.cadence, len(rows), runs(lanes) - 1, drafts, spent)
         return None if most is None else even_piece(prefills[0].prefill_left(), most)
 
     def _exclusive_turn(self, ready: list[Job]) -> tuple[list[Step], list[tuple[Job, int]]] | None:
