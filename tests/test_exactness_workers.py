@@ -52,6 +52,7 @@ from _exactness import (
 
 from conftest import start_worker, stop_worker
 from protocol import Client, SkiffError
+from worker.core.jobs.base import MIN_CUT
 
 Started = tuple[subprocess.Popen[bytes], str, Path]
 
@@ -289,14 +290,20 @@ def test_eight_concurrent_generate_streams_equal_each_session_alone(
     as prompts finish) on a worker without a prefix cache, against each
     reference run alone on the shared worker. A stream's first row is its
     prompt's last (only its token is compared); the next ones are the
-    reference's rows."""
+    reference's rows. Each stream goes on past the rows compared for as many
+    turns as the longest prompt can take (a turn carries a piece of at least
+    ``MIN_CUT`` tokens however the turn clock paces it), so two streams
+    decode at once on a slow machine too (the clock's pieces shrink there)."""
     runs = [reference(n) for n in STREAM_LENGTHS]
-    args: dict[str, Any] = {"max_tokens": STEPS + 1, "ignore_eos": True, "output": ["logits"]}
+    new = STEPS + 1 + -(-max(STREAM_LENGTHS) // MIN_CUT)
+    args: dict[str, Any] = {"max_tokens": new, "ignore_eos": True, "output": ["logits"]}
     with Client(workers.same, timeout_ms=TIMEOUT_MS) as c:
         before = c.stats()["coalesced_decode_steps"]
         ids = [c.send("generate", None, {**args, "tokens": r.prompt}) for r in runs]
         streams = [[e for e in c.follow(i) if e.header.get("event") == "token"] for i in ids]
         assert c.stats()["coalesced_decode_steps"] > before  # they did share forwards
+    assert all(len(events) == new for events in streams)
+    streams = [events[: STEPS + 1] for events in streams]
     failures = []
     for run, events in zip(runs, streams, strict=True):
         n = len(run.prompt)
