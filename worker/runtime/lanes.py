@@ -149,20 +149,33 @@ class LanePool:
         if prefer is not None and prefer in self._cached:
             del self._cached[prefer]
             return prefer
-        held = {s.lane for s in self.sessions.values()}
+        keys = self._lane_keys({s.lane for s in self.sessions.values()})
+        lane = min(keys, key=keys.__getitem__)
+        self._take(lane)
+        return lane
+
+    def _lane_keys(self, held: set[int]) -> dict[int, tuple[int, int, int]]:
+        """Every free lane (empty or cached) -> its cost for a session beside
+        those on ``held`` (the module docstring): the runs they would make,
+        each worth ``TOKENS_PER_RUN`` tokens, plus a cached lane's tokens;
+        then the least recently cached (an empty lane first), the lowest."""
         order = {lane: rank for rank, lane in enumerate(self._cached)}  # LRU first
+        return {
+            lane: (
+                runs(held | {lane}) * TOKENS_PER_RUN + len(self._cached.get(lane, ())),
+                order.get(lane, -1),
+                lane,
+            )
+            for lane in [*self._free, *self._cached]
+        }
 
-        def key(lane: int) -> tuple[int, int, int]:
-            worth = len(self._cached[lane]) if lane in self._cached else 0
-            return (runs(held | {lane}) * TOKENS_PER_RUN + worth, order.get(lane, -1), lane)
-
-        lane = min([*self._free, *self._cached], key=key)
+    def _take(self, lane: int) -> None:
+        """Take a free lane from the pool; a cached one is evicted."""
         if lane in self._cached:
             self.evicted_tokens[lane] = self._cached.pop(lane)
             self.evicted.append(lane)
         else:
             self._free.remove(lane)
-        return lane
 
     def gap_move(self, lanes: set[int], piece: bool) -> tuple[Session, int] | None:
         """Asked before every forward (over ``lanes``; ``piece``: it carries a
@@ -183,22 +196,19 @@ class LanePool:
     def closing_move(self, lanes: set[int]) -> tuple[Session, int] | None:
         """(session, lane) of the one move that best closes the gaps between
         ``lanes`` (a forward's): a session on one of them to a free lane,
-        weighed as ``_take_lane`` weighs a new session's (runs, then a cached
-        lane's tokens), the shortest session first (its cells are copied);
-        None when no move leaves fewer runs."""
+        weighed as a new session's lane is (``_lane_keys``), the shortest
+        session first (its cells are copied); None when no move leaves
+        fewer runs."""
         now = runs(lanes)
-        order = {lane: rank for rank, lane in enumerate(self._cached)}
         best: tuple[tuple[int, int, int, int], Session, int] | None = None
         for session in self.sessions.values():
             if session.lane not in lanes:
                 continue
             rest = lanes - {session.lane}
-            for lane in [*self._free, *self._cached]:
-                after = runs(rest | {lane})
-                if after >= now:
+            for lane, (cost, rank, _) in self._lane_keys(rest).items():
+                if runs(rest | {lane}) >= now:
                     continue
-                worth = len(self._cached[lane]) if lane in self._cached else 0
-                key = (after * TOKENS_PER_RUN + worth, session.position, order.get(lane, -1), lane)
+                key = (cost, session.position, rank, lane)
                 if best is None or key < best[0]:
                     best = (key, session, lane)
         return None if best is None else (best[1], best[2])
@@ -207,11 +217,7 @@ class LanePool:
         """Give a session the free ``lane`` (a cached one is evicted) and
         free the lane it had, which it returns; the runtime moves the cells."""
         session = self.require(session_id)
-        if lane in self._cached:
-            self.evicted_tokens[lane] = self._cached.pop(lane)
-            self.evicted.append(lane)
-        else:
-            self._free.remove(lane)
+        self._take(lane)
         old, session.lane = session.lane, lane
         self._free.append(old)
         return old
