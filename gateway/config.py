@@ -36,7 +36,7 @@ class GatewayConfig:
     health_interval_ms: int = 500
     down_after_ms: int = 1500
     stall_after_ms: int = 15_000
-    balance_threshold: float = 2.0  # load-score slack a cache hit (or a prompt's home) may cost
+    balance_threshold: float = 6.0  # load-score slack a cache hit (or a prompt's home) may cost
     cache_min_blocks: int = 8  # prefix blocks a worker must share to win on cache
     cache_full_blocks: int = 32  # a match this long may cost the whole balance threshold
     prefix_index_blocks: int = 65_536  # remembered prefix blocks per worker (LRU)

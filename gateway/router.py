@@ -13,8 +13,8 @@ left is placing *new* work, three ways (``--policy``):
   longest prefix of at least ``--cache-min-blocks`` blocks (default 8: 128
   tokens; a shorter match counts only at the prompt's home, below), but
   only while that worker's load score is within
-  ``--balance-threshold`` (default 2: one more running request and one
-  free lane fewer; docs/gateway.md says why) of the least loaded one,
+  ``--balance-threshold`` (default 6: three more running requests and
+  three free lanes fewer; docs/gateway.md says why) of the least loaded one,
   scaled down for matches shorter than ``--cache-full-blocks`` (default
   32: 512 tokens; ``Router.slack``).
   A prompt of at least one block also has a *home*: the first worker in
@@ -22,7 +22,8 @@ left is placing *new* work, three ways (``--policy``):
   that holds fewer than its share of the prompts' homes, kept once given
   (``Router.home``: consistent hashing with bounded loads). The home counts
   as a full hit (``--cache-full-blocks`` matched) even before it has seen
-  the prompt, so a fresh prompt goes to its home, not to whichever equally
+  the prompt, and until another worker holds the prompt's start too (then
+  real matches decide), so a fresh prompt goes to its home, not to whichever equally
   loaded worker's turn it is, unless the home is more than the threshold
   busier. No hit goes onto a worker with no free lane while another has one
   (the request would queue behind a whole generation there to save a
@@ -180,7 +181,7 @@ class Router:
         self,
         policy: str = "cache_aware",
         *,
-        balance_threshold: float = 2.0,
+        balance_threshold: float = 6.0,
         cache_min_blocks: int = 8,
         cache_full_blocks: int = 32,
         index: PrefixIndex | None = None,
@@ -221,7 +222,8 @@ class Router:
         self, candidates: Sequence[Candidate], blocks: Sequence[int], remember: bool = True
     ) -> str:
         """The candidate sharing the longest prefix within its load slack,
-        counting the prompt's home (``home``) as a full hit; else least loaded.
+        counting the prompt's home (``home``) as a full hit while no other
+        candidate holds the prompt's start; else least loaded.
 
         Why the home: routed by prefix alone, a fresh prompt at equal load
         went to either worker by turn, so both workers' prefix caches held,
@@ -230,19 +232,36 @@ class Router:
         run against ~6.9k when the client routed directly. As a full hit the
         home takes its prompts until it is more than ``balance_threshold``
         busier than the least loaded worker (consistent hashing with a
-        bounded load). The figures, before and after, are in docs/gateway.md."""
+        bounded load). The figures, before and after, are in docs/gateway.md.
+
+        Why the credit ends once another worker holds the start: prompts
+        sharing a start share a home, so with a shared system prompt every
+        new conversation would go to one worker up to the whole threshold;
+        once the system prompt is cached on both, the conversations spread
+        by load, each staying where its own longer prefix is."""
         best_load = min(c.score for c in candidates)
         room_elsewhere = any(c.free_lanes > 0 for c in candidates)
         names = [c.name for c in candidates]
         home = self.home(names, blocks)
         if home is not None and remember:
             self.homes.settle(self._home_key(blocks), home)
+        seen_by = {c.name: self.index.match(c.name, blocks) for c in candidates}
+        # The home's credit holds the prompt to one worker while only it has
+        # (or will have) the prompt's start; once another worker holds that
+        # start too (a shared system prompt sent there once), real matches
+        # decide, and equal ones go to the least loaded.
+        held_elsewhere = any(
+            n >= min(len(blocks), self.cache_min_blocks)
+            for name, n in seen_by.items()
+            if name != home
+        )
         best: Candidate | None = None
         best_key = (0, 0, False)
         hit = False
         for c in candidates:
-            seen = self.index.match(c.name, blocks)
-            matched = max(seen, self.cache_full_blocks) if c.name == home else seen
+            seen = seen_by[c.name]
+            credit = c.name == home and not held_elsewhere
+            matched = max(seen, self.cache_full_blocks) if credit else seen
             if matched < self.cache_min_blocks or c.score > best_load + self.slack(matched):
                 continue
             if room_elsewhere and c.free_lanes == 0:

@@ -170,7 +170,8 @@ def test_cache_aware_prefers_the_prefix_holder_until_it_is_too_busy() -> None:
 def test_a_short_shared_prefix_elsewhere_wins_only_among_equally_loaded_workers() -> None:
     """Away from a prompt's home, the slack a hit may cost grows with its
     length: a repeated 200-token prompt does not pile onto the busier worker,
-    a long conversation does. At equal load the home (a full hit) decides."""
+    a long conversation does. At equal load the holder wins: the home's
+    credit (a full hit) ends once another worker holds the prompt's start."""
     router = Router("cache_aware", balance_threshold=4)  # hits from 8 blocks, whole slack from 32
     assert router.slack(8) == 1.0 and router.slack(16) == 2.0 and router.slack(64) == 4.0
     for blocks in (
@@ -189,7 +190,30 @@ def test_a_short_shared_prefix_elsewhere_wins_only_among_equally_loaded_workers(
         expected = holder if len(blocks) > router.cache_full_blocks else home
         assert router.choose(busier, blocks, remember=False) == expected
         level = [Candidate("a", running=4, free_lanes=4), Candidate("b", running=4, free_lanes=4)]
-        assert router.choose(level, blocks, remember=False) == expected
+        assert router.choose(level, blocks, remember=False) == holder
+
+
+def test_a_shared_system_prompt_spreads_once_both_workers_hold_it() -> None:
+    """Conversations sharing a system prompt share its home. While only the
+    home holds that start it takes them up to the threshold; once the other
+    worker holds it too (one conversation sent there), new conversations go
+    by load, and a conversation's later turns stay with their longer prefix
+    (within its slack)."""
+    router = Router("cache_aware")
+    system = list(range(10_000, 10_000 + 16 * 10))  # 10 blocks
+    convo = [system + list(range(k * 1000, k * 1000 + 48)) for k in range(1, 4)]
+    home = router.home(["a", "b"], prompt_blocks({"tokens": convo[0]}))
+    other = "b" if home == "a" else "a"
+    busier = [Candidate(home, running=3, free_lanes=5), Candidate(other, running=1, free_lanes=7)]
+    assert busier[0].score - busier[1].score <= router.balance_threshold
+    assert router.choose(busier, prompt_blocks({"tokens": convo[0]})) == home  # credit: only home
+    router.index.insert(other, prompt_blocks({"tokens": convo[1]}))  # one conversation went there
+    assert router.choose(busier, prompt_blocks({"tokens": convo[2]})) == other  # now by load
+    turn2 = prompt_blocks({"tokens": convo[0] + list(range(50_000, 50_064))})
+    near = [Candidate(home, running=2, free_lanes=6), Candidate(other, running=1, free_lanes=7)]
+    assert router.slack(13) >= near[0].score - near[1].score
+    assert router.choose(near, turn2, remember=False) == home  # its 13 blocks are there
+    assert router.choose(near, prompt_blocks({"tokens": convo[2]}), remember=False) == other
 
 
 def test_least_loaded_and_round_robin_ignore_prefixes() -> None:
