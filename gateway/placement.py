@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import time
 
-from edge import Request
+from edge import Request, logs
 from faults import BadRequest, Unsupported, WorkerUnavailable
 
 from .affinity import AffinityTable
 from .ops import PROMPT_OPS, UNPLACED_OPS, carries_media, sees
 from .pool import LLM, SPEECH, Pool, WorkerConn
 from .router import Router, prompt_blocks
+
+_log = logs.get_logger("skiff.gateway.placement")
 
 
 class Placer:
@@ -64,6 +66,16 @@ class Placer:
         candidates = [w.candidate() for w in workers if w.eligible and w is not exclude]
         blocks = prompt_blocks(req.args) if req.op in PROMPT_OPS else ()
         name = self.router.choose(candidates, blocks)
+        if (why := self.router.last) is not None and name is not None:
+            _log.debug(
+                "routed",
+                worker=name,
+                reason=why.reason,
+                home=why.home,
+                blocks=len(blocks),
+                matched=why.matched,
+                load={c.name: c.score for c in candidates},
+            )
         if name is None:
             raise WorkerUnavailable(
                 "no LLM worker that can see images (--mmproj) is up"

@@ -174,6 +174,20 @@ class PrefixIndex:
         return len(self._blocks.get(worker, ()))
 
 
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """Why the last choice went where it did (logged at debug by the placer:
+    which repeats missed their cache, and why, is otherwise invisible).
+    ``reason``: ``hit`` (a prefix the worker was sent), ``home`` (the
+    prompt's home), ``load`` (no hit or home within its slack), or the
+    policy's name."""
+
+    worker: str
+    reason: str
+    home: str | None = None
+    matched: int = 0  # blocks the chosen worker was sent before
+
+
 class Router:
     """Chooses a worker among candidates by the configured policy."""
 
@@ -197,6 +211,7 @@ class Router:
         self.homes = HomeTable()
         self._turn = itertools.count()
         self.cache_routed = 0  # decisions that went to a prefix hit (for stats)
+        self.last: Routed | None = None
 
     def choose(
         self, candidates: Sequence[Candidate], blocks: Sequence[int] = (), *, remember: bool = True
@@ -210,17 +225,20 @@ class Router:
         if self.policy == "round_robin":
             ordered = sorted(candidates, key=lambda c: c.name)
             chosen = ordered[next(self._turn) % len(ordered)].name
+            self.last = Routed(chosen, self.policy)
         elif self.policy == "least_loaded" or not blocks:
             chosen = least_loaded(candidates, next(self._turn))
+            self.last = Routed(chosen, "least_loaded")
         else:
-            chosen = self._cache_aware(candidates, blocks, remember)
+            self.last = self._cache_aware(candidates, blocks, remember)
+            chosen = self.last.worker
         if remember and self.policy == "cache_aware":
             self.index.insert(chosen, blocks)
         return chosen
 
     def _cache_aware(
         self, candidates: Sequence[Candidate], blocks: Sequence[int], remember: bool = True
-    ) -> str:
+    ) -> Routed:
         """The candidate sharing the longest prefix within its load slack,
         counting the prompt's home (``home``) as a full hit while no other
         candidate holds the prompt's start; else least loaded.
@@ -270,10 +288,11 @@ class Router:
             if best is None or key > best_key:
                 best, best_key, hit = c, key, seen >= self.cache_min_blocks
         if best is None:
-            return least_loaded(candidates, next(self._turn))
+            chosen = least_loaded(candidates, next(self._turn))
+            return Routed(chosen, "load", home, seen_by[chosen])
         if hit:
             self.cache_routed += 1
-        return best.name
+        return Routed(best.name, "hit" if hit else "home", home, seen_by[best.name])
 
     def home(self, names: Sequence[str], blocks: Sequence[int]) -> str | None:
         """The prompt's home among ``names``; None for a prompt shorter than

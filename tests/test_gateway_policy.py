@@ -22,6 +22,7 @@ from gateway.router import (
     TOKEN_BLOCK,
     Candidate,
     PrefixIndex,
+    Routed,
     Router,
     least_loaded,
     prompt_blocks,
@@ -348,3 +349,24 @@ def test_config_flags_env_twins_and_workers_file(
     assert connectable("tcp://0.0.0.0:5550") == "tcp://127.0.0.1:5550"
     assert connectable("tcp://*:5550") == "tcp://127.0.0.1:5550"
     assert connectable("ipc:///tmp/g.sock") == "ipc:///tmp/g.sock"
+
+
+def test_the_router_says_why_it_chose() -> None:
+    """``Router.last`` (logged at debug as ``routed``) names the reason: a
+    fresh prompt goes home, its repeat is a hit there, a prompt with no
+    blocks goes by load, and a home past its slack loses to the least loaded."""
+    router = Router("cache_aware")
+    blocks = prompt_blocks({"tokens": list(range(16 * 12))})
+    home = router.home(["a", "b"], blocks)
+    assert home is not None
+    other = "b" if home == "a" else "a"
+    level = [Candidate("a", free_lanes=8), Candidate("b", free_lanes=8)]
+    assert router.choose(level, blocks) == home
+    assert router.last == Routed(home, "home", home, 0)
+    router.choose(level, blocks)
+    assert router.last == Routed(home, "hit", home, 12)
+    router.choose(level, ())
+    assert router.last is not None and router.last.reason == "least_loaded"
+    busy = [Candidate(home, running=6, free_lanes=2), Candidate(other, running=1, free_lanes=7)]
+    assert router.choose(busy, blocks) == other
+    assert router.last == Routed(other, "load", home, 0)
