@@ -264,10 +264,6 @@ class Router:
         if home is not None and remember:
             self.homes.settle(self._home_key(blocks), home)
         seen_by = {c.name: self.index.match(c.name, blocks) for c in candidates}
-        # The home's credit holds the prompt to one worker while only it has
-        # (or will have) the prompt's start; once another worker holds that
-        # start too (a shared system prompt sent there once), real matches
-        # decide, and equal ones go to the least loaded.
         held_elsewhere = any(
             n >= min(len(blocks), self.cache_min_blocks)
             for name, n in seen_by.items()
