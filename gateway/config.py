@@ -44,6 +44,7 @@ class GatewayConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long
     max_inflight_per_client: int = 256  # requests one client may have in flight; 0 = no limit
+    poll_spin_us: int = 250  # wait for the next message awake this long while they come fast
     log_format: str = "auto"
     log_level: str = "info"
     extra_workers: tuple[str, ...] = field(default=(), repr=False)  # from the file
@@ -132,6 +133,14 @@ _OPTIONS: list[tuple[str, type, str, str]] = [
         "0 = no limit",
     ),
     (
+        "poll-spin-us",
+        int,
+        "SKIFF_GATEWAY_POLL_SPIN_US",
+        "while messages come closer together than this, wait for the next one awake "
+        "(polling) this long before sleeping: a relay's wake-up costs ~50 us a crossing; "
+        "0 = always sleep",
+    ),
+    (
         "drain-timeout-s",
         float,
         "SKIFF_DRAIN_TIMEOUT_S",
@@ -213,6 +222,7 @@ def from_namespace(ns: argparse.Namespace) -> GatewayConfig:
         max_message_bytes=ns.max_message_bytes,
         drain_timeout_s=ns.drain_timeout_s,
         max_inflight_per_client=ns.max_inflight_per_client,
+        poll_spin_us=ns.poll_spin_us,
         log_format=ns.log_format,
         log_level=ns.log_level,
         extra_workers=extra_llm,
@@ -239,6 +249,8 @@ def check(cfg: GatewayConfig) -> None:
         )
     if cfg.drain_timeout_s < 0:
         raise SystemExit("skiff-gateway: --drain-timeout-s must be >= 0")
+    if not 0 <= cfg.poll_spin_us <= 10_000:
+        raise SystemExit("skiff-gateway: --poll-spin-us must be 0-10000")
     if cfg.max_inflight_per_client < 0:
         raise SystemExit("skiff-gateway: --max-inflight-per-client must be >= 0 (0 = no limit)")
     if cfg.stall_after_ms < cfg.down_after_ms:
