@@ -88,7 +88,7 @@ class _SplitPoller(zmq.Poller):
     is the edge's too: its readiness is passed through.
 
     Waiting, it spins first (``spin_us`` of non-blocking polls) while
-    messages have lately come closer together than that: a sleeping
+    messages have lately come within a few spins of each other: a sleeping
     process is woken by the kernel, ~50-70 us per crossing here, which a
     relay pays on both hops. Measured (``tokenize`` round trips through the
     gateway, 2-core Xeon): 120-140 us extra per message sleeping, 80-112
