@@ -136,7 +136,7 @@ _OPTIONS: list[tuple[str, type, str, str]] = [
         "poll-spin-us",
         int,
         "SKIFF_GATEWAY_POLL_SPIN_US",
-        "while messages come closer together than this, wait for the next one awake "
+        "while messages have come less than 4x this apart, wait for the next one awake "
         "(polling) this long before sleeping: a relay's wake-up costs ~50 us a crossing; "
         "0 = always sleep",
     ),

@@ -90,9 +90,9 @@ class _SplitPoller(zmq.Poller):
     Waiting, it spins first (``spin_us`` of non-blocking polls) while
     messages have lately come within a few spins of each other: a sleeping
     process is woken by the kernel, ~50-70 us per crossing here, which a
-    relay pays on both hops. Measured (``tokenize`` round trips through the
-    gateway, 2-core Xeon): 120-140 us extra per message sleeping, 80-112
-    spinning 250 us, 116-135 spinning 100 (docs/gateway.md). The gap it
+    relay pays on both hops. Measured (``scripts/bench_gateway.py``, 2-core
+    Xeon): ~120 us extra per message spinning 250 us against ~155 sleeping,
+    same run (docs/gateway.md). The gap it
     judges by is a moving average of the waits, whether they ended in a
     message or in the timeout (an idle gateway stops spinning at once), and
     it spins while that is under ``SPIN_WHILE`` spins: measured sleeping,

@@ -22,8 +22,10 @@ One run, same machine:
   op (``tokenize`` of one word; the gateway answers ``ping`` itself)
   through the gateway minus direct ones, p50 over many, on an idle system;
   a round trip crosses the gateway twice, so a streamed token, which
-  crosses it once, costs about half (the bar: <= 100 us p50); and the
-  inter-token p50 of the loaded runs side by side.
+  crosses it once, costs about half (the bar: <= 100 us p50), beside the
+  same through a gateway that never spins before sleeping
+  (``--poll-spin-us 0``, alternating sets); and the inter-token p50 of the
+  loaded runs side by side.
 
 Each worker gets one compute thread so the two do not fight over the two
 cores; the gateway takes what is left, as it would on a real host.
@@ -197,24 +199,31 @@ class Deployment:
                 self.procs.append(start(cmd, tmp / f"w{i}.log"))
             for ep, proc in zip(self.workers, self.procs, strict=True):
                 wait_ping(ep, proc)
-            cmd = [py, "-m", "gateway.cli", "--bind", self.gateway]
-            cmd += ["--http", self.http[len("http://") :]]
-            cmd += ["--policy", args.policy, "--log-level", "warning"]
-            cmd += shlex.split(args.gateway_args)
-            for ep in self.workers:
-                cmd += ["--worker", ep]
-            self.procs.append(start(cmd, tmp / "gateway.log"))
-            wait_ping(self.gateway, self.procs[-1])
-            wait_routed(self.gateway)
+            http = ["--http", self.http[len("http://") :]]
+            self._gateway = self.add_gateway(self.gateway, http)
             wait_http(self.http)
         except BaseException:
             self.__exit__()
             raise
         return self
 
+    def add_gateway(self, endpoint: str, extra: list[str]) -> subprocess.Popen[bytes]:
+        """A gateway in front of the two workers at ``endpoint`` (with the
+        run's ``--gateway-args``, then ``extra``), once it forwards work."""
+        cmd = [sys.executable, "-m", "gateway.cli", "--bind", endpoint]
+        cmd += ["--policy", self.args.policy, "--log-level", "warning"]
+        cmd += [*shlex.split(self.args.gateway_args), *extra]
+        for ep in self.workers:
+            cmd += ["--worker", ep]
+        proc = start(cmd, self.tmp / f"gateway{len(self.procs)}.log")
+        self.procs.append(proc)
+        wait_ping(endpoint, proc)
+        wait_routed(endpoint)
+        return proc
+
     @property
     def gateway_pid(self) -> int:
-        return self.procs[-1].pid
+        return self._gateway.pid
 
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
@@ -262,8 +271,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="skiff-gw-bench-") as tmp_s:
         tmp = Path(tmp_s)
         with Deployment(tmp / "rt", args) as d:  # the idle round trips, once
-            direct_rt = round_trip_us(d.workers[0], args.pings)
-            gw_rt = round_trip_us(d.gateway, args.pings)
+            # beside it a gateway that always sleeps (--poll-spin-us 0), in
+            # alternating sets: what spinning before sleeping saves, same run
+            sleeper = f"ipc://{tmp}/gw-sleep.sock"
+            d.add_gateway(sleeper, ["--poll-spin-us", "0"])
+            direct_rt, gw_rt, sleep_rt = [], [], []
+            for _ in range(3):
+                direct_rt += round_trip_us(d.workers[0], args.pings // 3)
+                gw_rt += round_trip_us(d.gateway, args.pings // 3)
+                sleep_rt += round_trip_us(sleeper, args.pings // 3)
         echo_rt = bare_echo_us(tmp, args.pings)
         for r in range(args.rounds):
             # the order rotates each round: drift on a noisy machine hits every front alike
@@ -316,6 +332,11 @@ def main() -> None:
         f"  tokenize round trip p50: direct {d50:.0f} us | through the gateway {g50:.0f} us | "
         f"extra {g50 - d50:.0f} us per round trip = ~{(g50 - d50) / 2:.0f} us per message "
         f"(a streamed token crosses once; bar <= 100 us)"
+    )
+    s50 = statistics.median(sleep_rt)
+    print(
+        f"  the same through a gateway that never spins (--poll-spin-us 0): {s50:.0f} us, "
+        f"~{(s50 - d50) / 2:.0f} us per message"
     )
     e50 = statistics.median(echo_rt)
     print(
