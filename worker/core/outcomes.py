@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from structlog import get_logger
@@ -40,14 +40,6 @@ _BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 # Told of every forward: (steps, tokens, seconds). Metrics export hooks in here.
 ForwardObserver = Callable[[int, int, float], None]
-
-
-class _StepLike(Protocol):
-    @property
-    def tokens(self) -> Sequence[int]: ...
-
-    @property
-    def sample(self) -> bool: ...
 
 
 @dataclass
@@ -91,9 +83,7 @@ class SchedulerStats:
         # waits for the chain
         self.timing = {"plan": 0.0, "complete": 0.0, "launch": 0.0, "land_wait": 0.0}
 
-    def record_forward(
-        self, steps: Sequence[_StepLike], seconds: float, prompt_tokens: int = 0
-    ) -> None:
+    def record_forward(self, steps: Sequence[Step], seconds: float, prompt_tokens: int = 0) -> None:
         decode = sum(1 for s in steps if len(s.tokens) == 1 and s.sample)
         total = sum(len(s.tokens) for s in steps)
         mix = self.mix["with_prompt" if prompt_tokens else "decode_only"]
