@@ -15,8 +15,10 @@ RSS climbs while the object count stays flat, the memory is below Python
   only its share of the model, and this shows it apart from allocations
   (KV cache, buffers, Python), which are the rest.
 - ``objects``: objects tracked by the cyclic garbage collector,
-  ``len(gc.get_objects())`` — containers and instances, not ints or strings,
-  which is where a leak of requests, sessions or peers shows. Counting walks
+  ``len(gc.get_objects())`` plus those frozen at start — containers and
+  instances, not ints or strings, which is where a leak of requests,
+  sessions or peers shows. ``frozen_objects``: those frozen at start
+  (``memory.freeze_startup_objects``), never scanned again. Counting walks
   every tracked object (~3 ms for a worker's ~50k on this machine), and the
   gateway asks each worker for ``stats`` every 500 ms, so the count is
   recounted at most every ``OBJECTS_REFRESH_S`` seconds and reused between.
@@ -64,8 +66,8 @@ class ProcessStats:
         self._types: dict[str, int] | None = None
 
     def _recount(self, now: float) -> None:
-        tracked = gc.get_objects()
-        self._objects = len(tracked)
+        tracked = gc.get_objects()  # the frozen are not in it
+        self._objects = len(tracked) + gc.get_freeze_count()
         top = _debug_types()
         if top > 0:
             counts = Counter(type(o).__qualname__ for o in tracked)
@@ -85,6 +87,7 @@ class ProcessStats:
             "rss_bytes": rss,
             "rss_file_bytes": file_backed,
             "objects": self._objects,
+            "frozen_objects": gc.get_freeze_count(),
         }
         if self._types is not None:
             out["object_types"] = self._types

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from edge import logs
+from edge.memory import freeze_startup_objects
 from edge.signals import drain_on_signals, exit_watchdog
 from protocol import Client, SkiffError
 from protocol.sockets import Curve, CurveKeyError
@@ -85,6 +86,7 @@ def serve(argv: Sequence[str]) -> int:
         return 1
 
     drain_on_signals(gateway.drain, cfg.drain_timeout_s)
+    freeze_startup_objects()  # a full collection never walks them between messages
     log.info(
         "gateway_ready",
         endpoint=gateway.endpoint,

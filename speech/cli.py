@@ -18,7 +18,7 @@ import zmq
 from edge import EdgeConfig, EdgeServer, flags, logs
 from edge import metrics as edge_metrics
 from edge.flags import Flag
-from edge.memory import reexec_with_tunables
+from edge.memory import freeze_startup_objects, reexec_with_tunables
 from edge.signals import drain_on_signals, exit_watchdog
 from edge.zap import keys_from_flags
 from protocol.sockets import DEFAULT_MAX_MESSAGE_BYTES, SocketOptions
@@ -205,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     drain_on_signals(server.drain, args.drain_timeout_s)
+    freeze_startup_objects()  # a full collection never walks them mid-synthesis
     log.info("speech worker ready", endpoint=server.endpoint, voices=list(engine.voices))
     try:
         server.serve_forever()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from edge import EdgeConfig, EdgeServer, logs
 from edge import metrics as edge_metrics
-from edge.memory import reexec_with_tunables
+from edge.memory import freeze_startup_objects, reexec_with_tunables
 from edge.signals import drain_on_signals, exit_watchdog
 from protocol.sockets import SocketOptions
 
@@ -147,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
     drain_on_signals(server.drain, cfg.drain_timeout_s)
+    frozen = freeze_startup_objects()  # a full collection never walks them mid-turn
     log.info(
         "worker_ready",
         endpoint=server.endpoint,
@@ -155,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model=engine.cfg.model_path,
         mmproj=projector.path if projector else None,
         metrics_port=exporter.port if exporter else None,
+        frozen_objects=frozen,
     )
     try:
         server.serve_forever()
