@@ -90,11 +90,13 @@ def freeze_startup_objects() -> int:
     Why: a loaded LLM worker holds ~48k gc-tracked objects (modules,
     llama-cpp-python's and the service's own), and Python's full collection,
     which comes every so often while requests make and drop objects, walked
-    them all inside a turn: ~15-30 ms on this machine, a stall of every
+    them all inside a turn: 25-27 ms on this machine, a stall of every
     stream at a random token. Objects made to start live as long as the
     process, so scanning them again finds nothing; after this a full
-    collection walks only what requests made (measured: 29.6 ms -> 0.0 on
-    a loaded worker). Each process main calls it once, after set-up and
+    collection walks only what requests made (measured with gc callbacks,
+    an ad hoc probe, in 4 runs each of two c=4 cells of bench_vs_llama_server's
+    workload, 2-core Xeon AVX-512: the worker's in-run full collection
+    25.0-27.2 ms -> 0.19-0.58 ms). Each process main calls it once, after set-up and
     before its loop; a request's objects are collected as before."""
     gc.collect()
     gc.freeze()

@@ -150,7 +150,7 @@ def test_debug_object_types(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_worker_freezes_what_it_made_to_start(client: Client) -> None:
     """Every process moves the objects alive when it starts serving out of
     the garbage collector's reach (a full collection of a loaded worker's
-    ~48k took ~30 ms inside a turn); they still count among its objects."""
+    ~48k took 25-27 ms inside a turn); they still count among its objects."""
     proc = client.stats()["process"]
     assert proc["frozen_objects"] > 10_000, proc
     assert proc["objects"] >= proc["frozen_objects"], proc
