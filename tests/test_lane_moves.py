@@ -123,16 +123,73 @@ def test_a_cached_lane_is_taken_only_when_it_is_the_only_way() -> None:
     assert pool.take_evicted() == [1] and pool.evicted_tokens[1] == list(range(40))
 
 
-def test_a_gap_is_closed_only_after_it_lasted_and_not_before_a_piece() -> None:
+def test_a_gap_is_closed_only_after_it_lasted_and_before_a_piece_only_cheaply() -> None:
     pool = LanePool(4)
     for sid in ("a", "b", "c"):
         pool.admit([sid])
+    for sid in ("a", "c"):
+        pool.sessions[sid].position = lanes.PIECE_MOVE_CELLS + 1
     pool.release("b")  # a gap at lane 1 between a (0) and c (2)
     for _ in range(lanes.GAP_FORWARDS):
         assert pool.gap_move({0, 2}, piece=False) is None
-    assert pool.gap_move({0, 2}, piece=True) is None  # that forward is long already
+    # a forward with a piece is as long as streams can wait: no long copy in it
+    assert pool.gap_move({0, 2}, piece=True) is None
+    pool.sessions["c"].position = lanes.PIECE_MOVE_CELLS  # e.g. the prompt going in
+    due = pool.gap_move({0, 2}, piece=True)
+    assert due is not None and due[0].id == "c"
+    pool.sessions["c"].position = lanes.PIECE_MOVE_CELLS + 1
+    pool.gapped = lanes.GAP_FORWARDS
     due = pool.gap_move({0, 2}, piece=False)
     assert due is not None and runs({0, 2} - {due[0].lane} | {due[1]}) == 1
     assert pool.gap_move({0, 2}, piece=False) is None  # the count starts again
     pool.gapped = lanes.GAP_FORWARDS
     assert pool.gap_move({0, 1}, piece=False) is None and pool.gapped == 0  # no gap
+
+
+def _prefill_beside(
+    engine: Engine, gap_forwards: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[np.ndarray], RuntimeState]:
+    """Stream a on lane 0 (past the window), a prompt going in pieces on lane
+    2 (lane 1 empty between them) beside a's decode rows; every row's logits."""
+    for lane in range(LANES):
+        engine.seq_clear(lane)
+    monkeypatch.setattr(lanes, "GAP_FORWARDS", gap_forwards)
+    rt = RuntimeState(engine)
+    a, _, p = rt.admit(["a", "gone", "p"])
+    assert (a.lane, p.lane) == (0, 2)
+    rt.drop("gone")
+    prompt = _prompt(engine, "a")
+    for start in range(0, HELD, 200):
+        rt.forward([Step(a, prompt[start : start + 200])])
+    piece, text = 60, _prompt(engine, "p")[:300]
+    rows: list[np.ndarray] = []
+    tok = 7
+    for start in range(0, len(text), piece):
+        last = start + piece >= len(text)
+        outputs: tuple[str, ...] = ("logits",) if last else ()
+        stream = Step(rt.require("a"), [tok], sample=True, outputs=("logits",))
+        prompt_piece = Step(rt.require("p"), text[start : start + piece], last, outputs=outputs)
+        results = rt.forward([stream, prompt_piece])
+        assert results[0].logits is not None and results[0].token is not None
+        rows.append(results[0].logits.copy())
+        tok = results[0].token
+        if last:
+            assert results[1].logits is not None
+            rows.append(results[1].logits.copy())
+    return rows, rt
+
+
+def test_a_prompt_moved_between_its_pieces_continues_to_the_bit(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The move before a forward with a piece: the short session (the prompt
+    going in) moves next to the stream, and neither changes a bit."""
+    still, rt_still = _prefill_beside(engine, 100, monkeypatch)
+    assert rt_still.moves == 0
+    moved, rt = _prefill_beside(engine, 1, monkeypatch)
+    assert rt.moves == 1
+    assert runs({rt.require("a").lane, rt.require("p").lane}) == 1
+    assert rt.require("a").lane == 0  # the stream past PIECE_MOVE_CELLS stayed
+    assert len(moved) == len(still) == 300 // 60 + 1
+    for i, (x, y) in enumerate(zip(moved, still, strict=True)):
+        assert float(np.max(np.abs(x - y))) == 0.0, f"row {i}: logits differ after the move"

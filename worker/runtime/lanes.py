@@ -62,6 +62,15 @@ TOKENS_PER_RUN = 512
 # next prompt mostly fills it within a forward or two.
 GAP_FORWARDS = 2
 
+# The most cells a session may hold to be moved before a forward that carries
+# a prompt piece. Such a forward is paced to what streams can wait, and the
+# gap is charged to it; it lasts while the prompt goes in (4-8 paced turns),
+# each a micro-batch more (~10-13 ms), where a move of 512 cells costs ~7 ms
+# once. Before 2026-12-07 nothing moved before a piece: a prompt admitted on
+# a lane apart from the streams' went in 7 turns of 19 tokens at 2.8-3.0 x a
+# decode step, instead of 33 a turn (traced, AMD EPYC, repeated burst c=4).
+PIECE_MOVE_CELLS = 512
+
 
 @dataclass(frozen=True)
 class Ephemeral:
@@ -183,26 +192,30 @@ class LanePool:
         has lasted ``GAP_FORWARDS`` forwards. Each run of lanes is one more
         pass over the weights (3 streams on lanes 3, 5, 6 decoded in 36 ms,
         on 4-6 in 23), and moving a session's cells costs ~1.4 ms per 100;
-        not before a forward with a piece (it is as long as streams can
-        wait already)."""
+        before a forward with a piece (as long as streams can wait already)
+        only a session of at most ``PIECE_MOVE_CELLS``."""
         self.gapped = self.gapped + 1 if runs(lanes) > 1 else 0
-        if self.gapped <= GAP_FORWARDS or piece:
+        if self.gapped <= GAP_FORWARDS:
             return None
-        choice = self.closing_move(lanes)
+        choice = self.closing_move(lanes, PIECE_MOVE_CELLS if piece else None)
         if choice is not None:
             self.gapped = 0
         return choice
 
-    def closing_move(self, lanes: set[int]) -> tuple[Session, int] | None:
+    def closing_move(
+        self, lanes: set[int], most_cells: int | None = None
+    ) -> tuple[Session, int] | None:
         """(session, lane) of the one move that best closes the gaps between
-        ``lanes`` (a forward's): a session on one of them to a free lane,
-        weighed as a new session's lane is (``_lane_keys``), the shortest
-        session first (its cells are copied); None when no move leaves
-        fewer runs."""
+        ``lanes`` (a forward's): a session on one of them (of at most
+        ``most_cells``) to a free lane, weighed as a new session's lane is
+        (``_lane_keys``), the shortest session first (its cells are
+        copied); None when no move leaves fewer runs."""
         now = runs(lanes)
         best: tuple[tuple[int, int, int, int], Session, int] | None = None
         for session in self.sessions.values():
             if session.lane not in lanes:
+                continue
+            if most_cells is not None and session.position > most_cells:
                 continue
             rest = lanes - {session.lane}
             for lane, (cost, rank, _) in self._lane_keys(rest).items():
