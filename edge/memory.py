@@ -96,7 +96,9 @@ def freeze_startup_objects() -> int:
     collection walks only what requests made (measured with gc callbacks,
     an ad hoc probe, in 4 runs each of two c=4 cells of bench_vs_llama_server's
     workload, 2-core Xeon AVX-512: the worker's in-run full collection
-    25.0-27.2 ms -> 0.19-0.58 ms). Each process main calls it once, after set-up and
+    25.0-27.2 ms -> 0.19-0.58 ms; ``scripts/bench_gc.py``, the same start-up
+    in one process, 2-core AMD EPYC AVX-512: 4.4-5.4 ms -> 0.05 ms a full
+    collection). Each process main calls it once, after set-up and
     before its loop; a request's objects are collected as before."""
     gc.collect()
     gc.freeze()

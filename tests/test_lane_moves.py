@@ -19,7 +19,7 @@ import pytest
 
 from worker.engine import Engine, EngineConfig
 from worker.runtime import RuntimeState, Step, lanes
-from worker.runtime.lanes import LanePool, runs
+from worker.runtime.lanes import LanePool, Session, runs
 
 LANES = 4
 HELD = 600  # tokens each stream holds before the gap opens: past the window
@@ -40,21 +40,33 @@ def _prompt(engine: Engine, tag: str) -> list[int]:
     return toks[:HELD]
 
 
+def _fresh(
+    engine: Engine, gap_forwards: int, monkeypatch: pytest.MonkeyPatch, prefix_cache: int = 0
+) -> RuntimeState:
+    """A runtime on cleared lanes, moving after ``gap_forwards`` gapped forwards."""
+    for lane in range(LANES):
+        engine.seq_clear(lane)
+    monkeypatch.setattr(lanes, "GAP_FORWARDS", gap_forwards)
+    return RuntimeState(engine, prefix_cache=prefix_cache)
+
+
+def _hold(rt: RuntimeState, session: Session) -> None:
+    """Prefill the session's ``HELD`` tokens (past the window) in pieces of 200."""
+    prompt = _prompt(rt.engine, str(session.id))
+    for start in range(0, HELD, 200):
+        rt.forward([Step(session, prompt[start : start + 200])])
+
+
 def _run(
     engine: Engine, gap_forwards: int, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[np.ndarray], RuntimeState]:
     """Streams a, b, c on lanes 0-2, b ends (a gap at lane 1), a and c
     decode greedily; every row's logits, in order."""
-    for lane in range(LANES):
-        engine.seq_clear(lane)
-    monkeypatch.setattr(lanes, "GAP_FORWARDS", gap_forwards)
-    rt = RuntimeState(engine, prefix_cache=1)
+    rt = _fresh(engine, gap_forwards, monkeypatch, prefix_cache=1)
     a, b, c = rt.admit(["a", "b", "c"])
     assert (a.lane, b.lane, c.lane) == (0, 1, 2)
     for s in (a, b, c):
-        prompt = _prompt(engine, str(s.id))
-        for start in range(0, HELD, 200):
-            rt.forward([Step(s, prompt[start : start + 200])])
+        _hold(rt, s)
     rt.drop("b")  # lane 1 keeps b's cells for the prefix cache
     rows: list[np.ndarray] = []
     nxt = {"a": 7, "c": 11}
@@ -151,16 +163,11 @@ def _prefill_beside(
 ) -> tuple[list[np.ndarray], RuntimeState]:
     """Stream a on lane 0 (past the window), a prompt going in pieces on lane
     2 (lane 1 empty between them) beside a's decode rows; every row's logits."""
-    for lane in range(LANES):
-        engine.seq_clear(lane)
-    monkeypatch.setattr(lanes, "GAP_FORWARDS", gap_forwards)
-    rt = RuntimeState(engine)
+    rt = _fresh(engine, gap_forwards, monkeypatch)
     a, _, p = rt.admit(["a", "gone", "p"])
     assert (a.lane, p.lane) == (0, 2)
     rt.drop("gone")
-    prompt = _prompt(engine, "a")
-    for start in range(0, HELD, 200):
-        rt.forward([Step(a, prompt[start : start + 200])])
+    _hold(rt, a)
     piece, text = 60, _prompt(engine, "p")[:300]
     rows: list[np.ndarray] = []
     tok = 7
