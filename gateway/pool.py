@@ -107,7 +107,6 @@ class WorkerConn:
     lanes_taken: int = 0
     lanes_freed: int = 0
     _base: tuple[int, int, int, int] = (0, 0, 0, 0)
-    _pending_base: tuple[int, int] = (0, 0)
 
     @property
     def eligible(self) -> bool:
@@ -129,12 +128,19 @@ class WorkerConn:
             return Candidate(self.name, outstanding - running, running, min(free, total))
         return Candidate(self.name, 0, outstanding, free)
 
-    def mark_stats_sent(self, now: float) -> None:
+    def mark_stats_sent(self, now: float) -> tuple[int, int]:
+        """A ``stats`` request goes out now: the counters its reply will already
+        include (work and lanes sent before it), for ``apply_stats``."""
         self.stats_sent = now
-        self._pending_base = (self.sent_work, self.lanes_taken)
+        return (self.sent_work, self.lanes_taken)
 
-    def apply_stats(self, stats: dict[str, Any]) -> None:
-        sent, taken = self._pending_base
+    def apply_stats(self, stats: dict[str, Any], asked: tuple[int, int]) -> None:
+        """The reply to the ``stats`` request that ``mark_stats_sent`` returned
+        ``asked`` for. Each reply keeps its own request's counters: a reply
+        slower than ``down_after`` is overtaken by a second request, and
+        the first reply with the second's counters left out the work sent
+        between the two (a worker running a stream looked idle)."""
+        sent, taken = asked
         self._base = (sent, self.done_work, taken, self.lanes_freed)
         self.stats = stats
 
@@ -279,11 +285,12 @@ class Pool:
             w.info = result
 
     def _ask_stats(self, w: WorkerConn, now: float) -> None:
-        w.mark_stats_sent(now)
-        asked = now
-        self.call(w, "stats", on_reply=lambda h, f: self._stats(w, h, asked))
+        counted = w.mark_stats_sent(now)
+        self.call(w, "stats", on_reply=lambda h, f: self._stats(w, h, now, counted))
 
-    def _stats(self, w: WorkerConn, header: dict[str, Any], asked_at: float) -> None:
+    def _stats(
+        self, w: WorkerConn, header: dict[str, Any], asked_at: float, counted: tuple[int, int]
+    ) -> None:
         w.stats_sent = 0.0
         result = header.get("result")
         if not header.get("ok") or not isinstance(result, dict):
@@ -297,7 +304,7 @@ class Pool:
                 self.mark_down(w, "restarted")
                 w.probing = True
             w.uptime_s = float(uptime)
-        w.apply_stats(result)
+        w.apply_stats(result, counted)
         if result.get("draining") is True and not w.draining and not w.drained and w.up:
             w.draining = True  # shutting down: no new work until it restarts and rejoins
             _log.warning("worker_shutting_down", worker=w.name)

@@ -14,8 +14,8 @@ from gateway.pool import LLM, WorkerConn
 
 def _worker(name: str, idle: int) -> WorkerConn:
     w = WorkerConn(name=name, kind=LLM, peer=cast(Any, None), up=True)
-    w.mark_stats_sent(0.0)
-    w.apply_stats({"lanes": {"total": 4, "idle": idle}, "running": 0, "queued": 0})
+    asked = w.mark_stats_sent(0.0)
+    w.apply_stats({"lanes": {"total": 4, "idle": idle}, "running": 0, "queued": 0}, asked)
     return w
 
 
@@ -40,18 +40,18 @@ def test_a_stats_reply_overtaking_the_import_counts_the_lane_once() -> None:
     assert call.worker is dst
     # stats asked while the import is on its way; the worker answers it after the
     # import (same connection), so its idle count already leaves the lane out
-    dst.mark_stats_sent(1.0)
+    asked = dst.mark_stats_sent(1.0)
     drop = steps.send(({"ok": True, "result": {"position": 3}}, []))
     assert isinstance(drop, Call) and drop.op == "drop"
-    dst.apply_stats({"lanes": {"total": 4, "idle": 1}, "running": 0, "queued": 0})
+    dst.apply_stats({"lanes": {"total": 4, "idle": 1}, "running": 0, "queued": 0}, asked)
     assert dst.candidate().free_lanes == 1
 
 
 def test_a_stats_reply_before_the_import_counts_the_lane_once() -> None:
     src, dst = _worker("src", 2), _worker("dst", 2)
     steps = _drainer(src, dst)._move(src, "s")
-    dst.mark_stats_sent(1.0)
-    dst.apply_stats({"lanes": {"total": 4, "idle": 2}, "running": 0, "queued": 0})
+    asked = dst.mark_stats_sent(1.0)
+    dst.apply_stats({"lanes": {"total": 4, "idle": 2}, "running": 0, "queued": 0}, asked)
     _to_import(steps)
     assert dst.candidate().free_lanes == 1  # taken from the send on
     steps.send(({"ok": True, "result": {"position": 3}}, []))

@@ -298,9 +298,9 @@ def test_affinity_assign_confirm_drop_and_rebuild() -> None:
 
 def test_candidate_adds_gateway_traffic_to_the_last_stats() -> None:
     w = WorkerConn("w", "llm", peer=None)  # type: ignore[arg-type]
-    w.mark_stats_sent(0.0)
+    asked = w.mark_stats_sent(0.0)
     w.sent_work = 2  # sent after the stats request: not in the snapshot
-    w.apply_stats({"lanes": {"total": 4, "active": 1, "idle": 3}, "running": 1, "queued": 0})
+    w.apply_stats({"lanes": {"total": 4, "active": 1, "idle": 3}, "running": 1, "queued": 0}, asked)
     w.done_work = 0
     assert w.candidate() == Candidate("w", queued=0, running=3, free_lanes=3)
     w.sent_work += 3  # 6 outstanding on 4 lanes
@@ -309,6 +309,24 @@ def test_candidate_adds_gateway_traffic_to_the_last_stats() -> None:
     w.done_work += 6
     w.lanes_freed += 2
     assert w.candidate() == Candidate("w", queued=0, running=0, free_lanes=3)
+
+
+def test_a_slow_stats_reply_counts_what_was_sent_after_its_own_request() -> None:
+    """A ``stats`` reply slower than ``down_after`` is overtaken by a second
+    request; the first reply still counts the stream sent between the two
+    (with the second request's counters, the busy worker looked idle and a
+    second stream went to it: seen once in a full suite under load)."""
+    w = WorkerConn("w", "llm", peer=None)  # type: ignore[arg-type]
+    first = w.mark_stats_sent(0.0)
+    w.sent_work += 1  # a stream goes to it
+    w.lanes_taken += 1
+    second = w.mark_stats_sent(1.6)  # the first reply is late: asked again
+    idle = {"lanes": {"total": 4, "active": 0, "idle": 4}, "running": 0, "queued": 0}
+    w.apply_stats(idle, first)  # answered before the stream arrived
+    assert w.candidate() == Candidate("w", queued=0, running=1, free_lanes=3)
+    busy = {"lanes": {"total": 4, "active": 1, "idle": 3}, "running": 1, "queued": 0}
+    w.apply_stats(busy, second)
+    assert w.candidate() == Candidate("w", queued=0, running=1, free_lanes=3)
 
 
 # -- config ---------------------------------------------------------------------------------
