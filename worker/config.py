@@ -39,7 +39,7 @@ class WorkerConfig:
     repack: int = 0
     max_batch_tokens: int = 0  # 0 = batch
     prefill_chunk: int = 128
-    cadence: float = 2.8  # while streams decode, a turn lasts at most this x a decode turn; 0 = off
+    cadence: float = 2.5  # while streams decode, a turn lasts at most this x a decode turn; 0 = off
     max_queue: int = 64
     prefix_cache: int = -1  # idle lanes keeping their tokens for reuse; -1 = all, 0 = off
     kernels: str = "exact"  # "exact": batch-invariant rows; "upstream": llama.cpp's own paths
